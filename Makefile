@@ -1,0 +1,32 @@
+# Every target sets up .venv on first use: a fresh machine needs only `make demo` or `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/elastic run deploy/examples/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --timeout 600
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q --timeout 3600 -m slow
+
+chaos: $(STAMP)
+	$(PY) -m pytest -q --timeout 3600 -m chaos
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,218 @@
+"""The job config: one typed, validated pydantic model loaded from YAML.
+
+Every section forbids unknown keys, so a typo in a YAML file is an error that
+names the field instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The built-in decoder-only transformer."""
+
+    vocab_size: int = Field(64, ge=2, description="Number of token ids.")
+    dim: int = Field(64, ge=1, description="Hidden size.")
+    n_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="Attention heads; dim must divide by it.")
+    ffn_dim: int = Field(128, ge=1, description="Hidden size of the MLP.")
+    max_seq_len: int = Field(32, ge=2, description="Longest sequence the position table holds.")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the RMS norms.")
+
+    @model_validator(mode="after")
+    def _heads_divide_dim(self) -> "ModelConfig":
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        return self
+
+
+class DataConfig(_Section):
+    """The deterministic synthetic token dataset."""
+
+    kind: Literal["synthetic"] = Field("synthetic", description="Only the built-in synthetic data for now.")
+    num_samples: int = Field(1 << 20, ge=1, description="Samples in one epoch; the order is reshuffled each epoch.")
+    seq_len: int = Field(16, ge=2, description="Tokens per sample (inputs and shifted labels come from seq_len + 1 tokens).")
+    seed: int = Field(1234, description="Seed of the data and of the sample order.")
+
+
+class ParallelConfig(_Section):
+    """The parallel layout. `dp_shard: -1` means: whatever the world size leaves."""
+
+    pp: int = Field(1, ge=1, description="Pipeline stages.")
+    dp_replicate: int = Field(1, ge=1, description="Replica groups of HSDP (replicated across, sharded within).")
+    dp_shard: int = Field(-1, description="FSDP shard degree; -1 fills the rest of the world size.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (innermost axis, kept on one node).")
+    sequence_parallel: bool = Field(True, description="Shard norm and dropout regions along the sequence when tp > 1.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
+    pp_microbatches: int = Field(0, ge=0, description="Pipeline micro-batches per step; 0 means pp (or 2*pp for interleaved).")
+    pp_virtual_stages: int = Field(2, ge=1, description="Stages per rank for interleaved_1f1b.")
+    reshard_after_forward: bool = Field(True, description="FSDP frees gathered parameters after forward (ZeRO-3) or keeps them (ZeRO-2).")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
+
+    @model_validator(mode="after")
+    def _dp_shard_valid(self) -> "ParallelConfig":
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ValueError("parallel.dp_shard must be a positive degree or -1 (fill the world size)")
+        return self
+
+
+class ScalingConfig(_Section):
+    """How many workers the job may use and how they are placed."""
+
+    num_workers: int = Field(4, ge=1, description="Workers (ranks) to start with.")
+    min_workers: int = Field(1, ge=1, description="The job waits (then fails) below this many workers.")
+    max_workers: int = Field(0, ge=0, description="The job grows back up to this many; 0 means num_workers.")
+    workers_per_node: int = Field(0, ge=0, description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 selects CUDA and NCCL.")
+    wait_for_workers_s: float = Field(30.0, ge=0, description="How long to wait for min_workers before failing.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ScalingConfig":
+        if self.min_workers > self.num_workers:
+            raise ValueError(f"scaling.min_workers ({self.min_workers}) exceeds scaling.num_workers ({self.num_workers})")
+        if self.max_workers and self.max_workers < self.num_workers:
+            raise ValueError(f"scaling.max_workers ({self.max_workers}) is below scaling.num_workers ({self.num_workers})")
+        return self
+
+    @property
+    def upper(self) -> int:
+        return self.max_workers or self.num_workers
+
+
+class TrainingConfig(_Section):
+    """The optimisation: fixed global batch, AdamW, warm-up then cosine decay."""
+
+    global_batch: int = Field(32, ge=1, description="Samples per optimizer step, whatever the world size.")
+    micro_batch: int = Field(4, ge=1, description="Samples per forward/backward on one data-parallel rank.")
+    steps: int = Field(200, ge=1, description="Optimizer steps to run.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seed of the model's initial weights.")
+
+
+class CheckpointConfig(_Section):
+    """Where and how often checkpoints are written."""
+
+    uri: str = Field("runs/checkpoints", description="Directory or fsspec URI (file://, memory://, s3://) of the checkpoints.")
+    every_steps: int = Field(20, ge=1, description="Save after every this many steps.")
+    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
+    async_save: bool = Field(False, description="Write in the background while training continues.")
+    resume: bool = Field(True, description="Resume from the newest committed checkpoint at start.")
+
+    @model_validator(mode="after")
+    def _uri_safe(self) -> "CheckpointConfig":
+        if not self.uri.strip():
+            raise ValueError("checkpoint.uri must not be empty")
+        if ".." in Path(re.sub(r"^[a-z0-9]+://", "", self.uri)).parts:
+            raise ValueError(f"checkpoint.uri {self.uri!r} must not contain '..'")
+        return self
+
+
+class FaultConfig(_Section):
+    """Failure detection and recovery policy."""
+
+    max_failures: int = Field(5, ge=0, description="Failures tolerated before the job fails.")
+    heartbeat_s: float = Field(0.2, gt=0, description="How often the controller polls worker liveness and progress.")
+    hang_timeout_s: float = Field(0.0, ge=0, description="Explicit progress deadline; 0 calibrates it from step times.")
+    hang_factor: float = Field(5.0, ge=1, description="Deadline = factor x slowest observed step after warm-up.")
+    hang_floor_s: float = Field(5.0, gt=0, description="The calibrated deadline is never below this.")
+    startup_timeout_s: float = Field(120.0, gt=0, description="Budget for start-up and the first step.")
+    checkpoint_timeout_s: float = Field(120.0, gt=0, description="Budget for one checkpoint save.")
+    inject: list[str] = Field(default_factory=list, description="Fault injection specs, as --inject takes them.")
+
+
+class JobConfig(_Section):
+    """A whole elastic training job."""
+
+    name: str = Field("job", pattern=r"^[A-Za-z0-9_.-]+$", description="Job name; names the run directory.")
+    run_root: str = Field("runs", description="Root folder of run directories (events.jsonl, report.json).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when workers get GPUs.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "JobConfig":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        if self.training.global_batch % self.training.micro_batch:
+            raise ValueError(
+                f"training.global_batch ({self.training.global_batch}) must be divisible by training.micro_batch ({self.training.micro_batch})"
+            )
+        if self.parallel.tp > 1:
+            m = self.model
+            for field, value in (("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)):
+                if value % self.parallel.tp:
+                    raise ValueError(f"{field} ({value}) must be divisible by parallel.tp ({self.parallel.tp})")
+        if self.parallel.pp > self.model.n_layers:
+            raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layers ({self.model.n_layers})")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _set_dotted(data: dict, dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {key} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None) -> JobConfig:
+    """Load a JobConfig from YAML (or a dict) with `key.sub=value` overrides.
+
+    Raises ConfigError with a one-line message naming the field on any problem.
+    """
+    raw: Any = dict(data or {})
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        _set_dotted(raw, key.strip(), value)
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
