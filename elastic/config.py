@@ -103,6 +103,7 @@ class TrainingConfig(_Section):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = Field(0, description="Seed of the model's initial weights.")
 
 
