@@ -12,13 +12,9 @@ import argparse
 import importlib
 import sys
 
-from elastic.config import ConfigError
+from elastic.errors import ConfigError, UsageError
 
 COMMANDS = ("run", "plan", "ckpt", "report", "config")
-
-
-class UsageError(Exception):
-    """Bad usage: printed on one line, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,6 +165,8 @@ class JobConfig(_Section):
             for field, value in (("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)):
                 if value % self.parallel.tp:
                     raise ValueError(f"{field} ({value}) must be divisible by parallel.tp ({self.parallel.tp})")
+        if self.parallel.tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({self.parallel.tp}) with sequence parallel")
         if self.parallel.pp > self.model.n_layers:
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layers ({self.model.n_layers})")
         return self

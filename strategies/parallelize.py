@@ -3,25 +3,54 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastic.config import ParallelConfig
 from elastic.model import token_loss_sum
+from strategies.ac import apply_ac
 from strategies.fsdp import apply_fsdp
+from strategies.pipeline import build_schedule, default_microbatches, split_model
+from strategies.spec import ModelSpec, builtin_spec
+from strategies.tp import apply_tp, unmatched_plan_keys
 
 
 @dataclass
 class ParallelModel:
-    """The local part(s) of a parallelized model and how to run a step on them."""
+    """The local part(s) of a parallelized model and how to run a step on them.
+
+    Without pipeline parallelism `model_parts` is the one local model. With it,
+    `model_parts` are this rank's stage modules (one, or `pp_virtual_stages`
+    for interleaved 1F1B), `stage_ids` their stage indices, and `schedule` runs
+    the step; parameter names are the full model's on every layout.
+    """
 
     model_parts: list[nn.Module]
     mesh: DeviceMesh
     micro_batch: int
     extra: dict = field(default_factory=dict)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum
+    schedule: Any = None
+    stages: list = field(default_factory=list)
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    n_stages: int = 1
+    n_microbatches: int = 0
+    seq_divisor: int = 1  # sequence parallelism shards the sequence dim over tp: seq_len must divide
+    _loss_scale: float = 1.0
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
 
     def parameters(self):
         for part in self.model_parts:
@@ -32,28 +61,123 @@ class ParallelModel:
             yield from part.named_parameters()
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
-        """Forward and backward over the local batch in micro-batches; gradients accumulate.
+        """Forward and backward over the local batch; gradients accumulate in the parameters.
 
-        Each micro-batch's summed token loss is multiplied by `loss_scale` before
-        backward. Returns the unscaled summed loss of the local batch (detached).
+        Each micro-batch's summed loss is multiplied by `loss_scale` before
+        backward. Returns the unscaled summed loss of the local batch
+        (detached); under pipeline parallelism only the last stage has it and
+        the other ranks return zero. Without PP the batch is cut into
+        `micro_batch`-sized pieces (gradient accumulation); with PP the
+        schedule's `n_microbatches` replace that.
         """
+        if inputs.shape[1] % self.seq_divisor:
+            raise ValueError(
+                f"sequence parallelism shards the sequence over tp={self.seq_divisor}: "
+                f"seq_len {inputs.shape[1]} must divide by it (or set parallel.sequence_parallel=false)"
+            )
+        if self.schedule is not None:
+            return self._pipeline_step(inputs, labels, loss_scale)
         (model,) = self.model_parts
         chunks = list(zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)))
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(chunks):
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(i == len(chunks) - 1)
-            loss = token_loss_sum(model(x), y)
+            loss = self.loss_fn(model(x), y)
             (loss * loss_scale).backward()
             total += loss.detach()
         return total
 
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._loss_scale
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, parallel: ParallelConfig, *, micro_batch: int) -> ParallelModel:
-    """Apply the strategies to `model` (on meta) in the order the package docstring gives."""
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
-    apply_fsdp(model, dp_mesh, reshard_after_forward=parallel.reshard_after_forward)
-    return ParallelModel(model_parts=[model], mesh=mesh, micro_batch=micro_batch)
+    def _pipeline_step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        if inputs.shape[0] % self.n_microbatches:
+            raise ValueError(
+                f"the local batch ({inputs.shape[0]}) must divide into parallel.pp_microbatches ({self.n_microbatches})"
+            )
+        self._loss_scale = loss_scale
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        self.schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+        if not self.has_last_stage:
+            return torch.zeros((), device=inputs.device)
+        return (torch.stack([loss.detach() for loss in losses]).sum() / loss_scale).reshape(())
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    parallel: ParallelConfig,
+    *,
+    micro_batch: int,
+    spec: ModelSpec | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> ParallelModel:
+    """Apply the strategies to `model` (on meta) in the order the package docstring gives.
+
+    `mesh` is the layout's 4-D mesh `("pp", "dp_replicate", "dp_shard", "tp")`.
+    `spec` describes a user model (default: the built-in transformer).
+    `mp_policy` defaults to bf16 parameters with fp32 gradient reduction on
+    CUDA and plain fp32 elsewhere.
+    """
+    user_spec = spec is not None
+    spec = spec or builtin_spec()
+    if mp_policy is None:
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mesh.device_type == "cuda"
+            else MixedPrecisionPolicy()
+        )
+    tp, pp = mesh["tp"].size(), mesh["pp"].size()
+    plan = spec.plan(sequence_parallel=parallel.sequence_parallel) if tp > 1 else None
+    if tp > 1 and not plan:
+        raise ValueError("parallel.tp > 1 needs a tensor-parallel plan (ModelSpec.tp_plan) for this model")
+    if plan and user_spec and (missing := unmatched_plan_keys(model, plan)):
+        raise ValueError(f"tensor-parallel plan keys match no module of the model: {missing}")
+
+    # 1. pipeline split
+    if pp > 1:
+        virtual = parallel.pp_virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
+        ids, parts = split_model(model, spec, mesh["pp"].get_local_rank(), pp, virtual)
+        n_stages = pp * virtual
+    else:
+        ids, parts, n_stages = [0], [model], 1
+    dp_mesh = _dp_mesh(mesh)
+    for part in parts:
+        # 2. tensor (+ sequence) parallel, 3. activation checkpointing, 4. FSDP / HSDP
+        if plan:
+            apply_tp(part, mesh["tp"], plan=plan)
+        if parallel.activation_checkpointing:
+            apply_ac(part, blocks=spec.blocks)
+        apply_fsdp(part, dp_mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp_policy, blocks=spec.blocks)
+
+    pm = ParallelModel(model_parts=parts, mesh=mesh, micro_batch=micro_batch, loss_fn=spec.loss_fn, stage_ids=ids, n_stages=n_stages)
+    if plan and parallel.sequence_parallel and not user_spec:
+        pm.seq_divisor = tp
+    if pp > 1:
+        pm.n_microbatches = parallel.pp_microbatches or default_microbatches(pp, parallel.pp_schedule)
+        pm.stages, pm.schedule = build_schedule(
+            parts,
+            ids,
+            n_stages,
+            mesh["pp"],
+            schedule=parallel.pp_schedule,
+            n_microbatches=pm.n_microbatches,
+            loss_fn=pm._scaled_loss,
+            device=_device(mesh),
+        )
+    return pm
 
 
 def load_full_state(pm: ParallelModel, full: dict[str, torch.Tensor]) -> None:
@@ -62,18 +186,51 @@ def load_full_state(pm: ParallelModel, full: dict[str, torch.Tensor]) -> None:
         for name, param in pm.named_parameters():
             src = full[name]
             if isinstance(param, DTensor):
+                src = src.to(device=param.device, dtype=param.dtype)
                 local = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 param.to_local().copy_(local)
             else:
                 param.copy_(src)
 
 
+def _replication(param: torch.Tensor, group_size: int) -> int:
+    """How many ranks of one pipeline stage hold this exact piece of `param` (or its gradient)."""
+    if not isinstance(param, DTensor):
+        return group_size
+    mesh = param.device_mesh
+    copies = group_size // mesh.size()
+    for dim, placement in enumerate(param.placements):
+        if placement.is_partial():
+            raise ValueError("clip_grad_norm: a gradient is still a partial sum")
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
 def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
-    """Clip by the global gradient norm across every shard and stage; returns that norm."""
+    """Clip by the global gradient L2 norm across every shard and pipeline stage; returns that norm.
+
+    Each rank sums the squares of its local gradient pieces, each divided by
+    the number of ranks of its stage that hold the same piece (replicas across
+    `dp_replicate`, plain tensors on every tp rank, ...); one all-reduce over
+    the whole mesh then gives the sum over distinct pieces of every stage. This
+    works whatever mix of meshes and placements the parameters have.
+    """
     params = [p for p in pm.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    stage_ranks = pm.mesh.size() // pm.mesh["pp"].size()
+    device = params[0].grad.device if params else _device(pm.mesh)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        total += g.detach().double().pow(2).sum() / _replication(p.grad, stage_ranks)
+    if dist.is_initialized():
+        group = None if pm.mesh.size() == dist.get_world_size() else pm.mesh._flatten().get_group()
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt().float()
+    if max_norm > 0 and params:
+        # The same coefficient as torch.nn.utils.clip_grad_norm_, applied to the local pieces
+        # (a foreach op over DTensors on different meshes is not allowed).
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm

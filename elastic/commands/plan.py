@@ -15,7 +15,7 @@ import json
 import re
 import sys
 
-from elastic.cli import UsageError
+from elastic.errors import UsageError
 from elastic.config import load_config
 from strategies.planner import Hardware, ModelProfile, PlanEntry, StepOptions, plan
 from strategies.schedule_timeline import SCHEDULES, render_timeline, timeline

@@ -1,0 +1,5 @@
+import sys
+
+from elastic.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""Connecting to Ray: join the cluster we are given, or start an embedded one on loopback.
+
+The embedded cluster is a `ray.cluster_utils.Cluster`: a head without worker
+slots (it hosts the controller) and simulated nodes, each with room for
+`workers_per_node` workers. Removing one of them is a real node failure:
+its raylet and every worker process on it die.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+# Faster node-death detection than Ray's defaults (seconds instead of ~15 s).
+FAST_FAILURE_SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 200,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
+
+class EmbeddedCluster:
+    """A multi-node Ray cluster inside this machine, on 127.0.0.1 only."""
+
+    def __init__(self, nodes: int, cpus_per_node: float, gpus_per_node: float = 0):
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only; never set when joining a real cluster
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        from ray.cluster_utils import Cluster
+
+        self.cpus_per_node = cpus_per_node
+        self.gpus_per_node = gpus_per_node
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_SYSTEM_CONFIG},
+        )
+        self.nodes = {}
+        for _ in range(nodes):
+            self.add_node()
+        ray.init(address=self.cluster.address, logging_level="ERROR", log_to_driver=False)
+        self.cluster.wait_for_nodes()
+
+    def add_node(self) -> str:
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
+        self.nodes[node.node_id] = node
+        return node.node_id
+
+    def remove_node(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id)
+        self.cluster.remove_node(node, allow_graceful=True)
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def connect(address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float) -> EmbeddedCluster | None:
+    """Join `address` (or RAY_ADDRESS, set by `ray job submit`); else start an embedded cluster."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level="ERROR")
+        return None
+    return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node)

@@ -1,0 +1,119 @@
+"""`elastic ckpt`: see what checkpoints a URI holds, what is in one, and whether it is intact.
+
+    elastic ckpt list URI                 committed checkpoints, newest first
+    elastic ckpt inspect URI [--step N]   layout, train state, files and tensors of one (default: newest)
+    elastic ckpt verify URI [--step N | --all]   every checksum; exit 1 if anything fails
+
+URI is a directory, `file://`, `memory://` or `s3://` prefix. The work lives in
+`storage`; this module turns its results into text (or JSON with `--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+
+import storage
+from elastic.errors import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("ckpt", help="list, inspect and verify checkpoints", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    for name, help_text in (("list", "committed checkpoints, newest first"),
+                            ("inspect", "layout, train state, files and tensors of a checkpoint"),
+                            ("verify", "check every file and piece checksum")):
+        q = sub.add_parser(name, help=help_text)
+        q.add_argument("uri", metavar="URI")
+        q.add_argument("--json", action="store_true", help="machine-readable output")
+        if name != "list":
+            q.add_argument("--step", type=int, help="the checkpoint's step (default: the newest committed)")
+        if name == "verify":
+            q.add_argument("--all", action="store_true", help="verify every committed checkpoint")
+        q.set_defaults(func=globals()[f"_{name}"])
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value, unit = float(n), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _layout(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
+
+
+def _list(args) -> int:
+    entries = storage.list_checkpoints(args.uri)
+    if args.json:
+        print(json.dumps(entries, indent=1))
+        return 0
+    if not entries:
+        print(f"no committed checkpoints under {args.uri}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  {'files':>5}  {'tensors':>7}  {'created (UTC)':<19}  layout")
+    for e in entries:
+        if "error" in e:
+            print(f"{e['step']:>10}  BROKEN: {e['error']}")
+            continue
+        created = datetime.datetime.fromtimestamp(e["created_unix"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        print(f"{e['step']:>10}  {_size(e['bytes']):>10}  {e['files']:>5}  {e['tensors']:>7}  {created:<19}  {_layout(e['layout'])}")
+    return 0
+
+
+def _newest(uri: str) -> int:
+    entries = storage.list_checkpoints(uri)
+    if not entries:
+        raise UsageError(f"no committed checkpoints under {uri}")
+    return entries[0]["step"]
+
+
+def _inspect(args) -> int:
+    step = args.step if args.step is not None else _newest(args.uri)
+    m = storage.read_manifest(args.uri, step)
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    print(f"checkpoint {args.uri} step {step}")
+    print(f"  layout       {_layout(m['layout'])}")
+    print(f"  train_state  {json.dumps(m['train_state'], sort_keys=True)}")
+    print(f"  data         {_size(m['bytes'])} in {len(m['files'])} files, {m['index']['rows']} pieces")
+    for rel, f in m["files"].items():
+        print(f"    {rel}  {_size(f['bytes'])}  crc32={f['crc32']:08x}")
+    print(f"  tensors      {len(m['tensors'])}")
+    for key, t in m["tensors"].items():
+        print(f"    {key}  {t['dtype']}{t['shape']}")
+    return 0
+
+
+def _verify(args) -> int:
+    if args.all and args.step is not None:
+        raise UsageError("give --step or --all, not both")
+    if args.all:
+        steps = [e["step"] for e in storage.list_checkpoints(args.uri)]
+        if not steps:
+            raise UsageError(f"no committed checkpoints under {args.uri}")
+    else:
+        steps = [args.step if args.step is not None else _newest(args.uri)]
+    results = []
+    for step in steps:
+        try:
+            m = storage.verify(args.uri, step)
+            results.append({"step": step, "ok": True, "bytes": m["bytes"], "files": len(m["files"])})
+        except storage.CheckpointError as exc:
+            results.append({"step": step, "ok": False, "error": str(exc)})
+    if args.json:
+        print(json.dumps(results, indent=1))
+    for r in [] if args.json else results:
+        if r["ok"]:
+            print(f"step {r['step']}: OK ({_size(r['bytes'])} in {r['files']} files, every checksum matches)")
+        else:
+            print(f"step {r['step']}: FAILED: {r['error']}")
+    return 0 if all(r["ok"] for r in results) else 1

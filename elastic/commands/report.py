@@ -1,0 +1,284 @@
+"""`elastic report RUN_DIR`: what happened in a run and what it cost, as a table and PNG plots.
+
+    elastic report runs/demo                # table, and loss.png, world_size.png, time_breakdown.png in runs/demo
+    elastic report runs/demo --no-plots     # the table only
+
+The table comes from `report.json` (written by the controller at the end of a
+run); the plots and the time breakdown come from `events.jsonl`, which holds
+every step, including the ones a recovery rolled back and ran again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastic.errors import UsageError
+
+REPORT_FIELDS = ("name", "state", "steps_completed", "steps_planned", "initial_loss", "final_loss", "world_sizes", "layouts",
+                 "generations", "failures", "failures_detected", "faults_injected", "samples", "checkpoints_committed",
+                 "checkpoints_skipped", "last_committed_step", "wall_s", "goodput")
+"""The report.json fields the table reads; a file without them is not a report of this project."""
+
+BREAKDOWN = ("training", "checkpoint stall", "detection", "recovery", "lost work", "other")
+"""Where the wall time went, in the order the table and the plot show it."""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("report", help="summarise a run: table of steps, failures and costs, plus PNG plots",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding report.json and events.jsonl (runs/<name>)")
+    p.add_argument("--no-plots", action="store_true", help="print the table only; write no PNG files")
+    p.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------- loading
+def _load_report(path: Path) -> dict:
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: invalid JSON (line {exc.lineno}): {exc.msg}") from None
+    if not isinstance(report, dict):
+        raise UsageError(f"{path}: expected a JSON object")
+    missing = [k for k in REPORT_FIELDS if k not in report]
+    if missing:
+        raise UsageError(f"{path}: not a run report, missing {', '.join(missing)}")
+    return report
+
+
+def _load_events(path: Path) -> list[dict]:
+    """Parse events.jsonl, naming the bad line; a cut-off last line (the driver died mid-write) is dropped."""
+    text = path.read_text()
+    lines = text.splitlines()
+    events = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise UsageError(f"{path}: line {number} is not JSON") from None
+        if not isinstance(event, dict) or "t" not in event or "event" not in event:
+            raise UsageError(f"{path}: line {number} is not an event (needs 't' and 'event')")
+        events.append(event)
+    if not events:
+        raise UsageError(f"{path}: no events")
+    return events
+
+
+def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
+    """report.json and events.jsonl of a run directory, or a one-line UsageError saying what is wrong."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: no such run directory")
+    report_path, events_path = run_dir / "report.json", run_dir / "events.jsonl"
+    if not report_path.is_file():
+        hint = " (the run is still going, or its driver was killed)" if events_path.is_file() else ""
+        raise UsageError(f"{run_dir}: no report.json{hint}")
+    if not events_path.is_file():
+        raise UsageError(f"{run_dir}: no events.jsonl")
+    return _load_report(report_path), _load_events(events_path)
+
+
+# --------------------------------------------------------------------------- analysis
+@dataclass
+class Marker:
+    """Something to draw on a plot: where (step and seconds since start) and what."""
+
+    step: int | None
+    t: float
+    label: str
+
+
+@dataclass
+class RunTimeline:
+    """What the plots and the time breakdown need, derived from the event log once.
+
+    Times are seconds since `job_start`. A step that a recovery rolled back
+    appears twice in the log; the later run is kept, the earlier is in `rolled_back`.
+    """
+
+    kept_steps: list[int] = field(default_factory=list)
+    kept_losses: list[float] = field(default_factory=list)
+    rolled_back: list[tuple[int, float]] = field(default_factory=list)
+    failures: list[Marker] = field(default_factory=list)
+    resizes: list[Marker] = field(default_factory=list)
+    world: list[tuple[float, int]] = field(default_factory=list)
+    end_t: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def analyse(report: dict, events: list[dict]) -> RunTimeline:
+    """The plots' series from the event log, and the run's wall time split into where it went.
+
+    The parts are training, checkpoint stall, detection, recovery, lost work
+    and the rest (start-up, scheduling): detection and recovery are the sums of the controller's own `detect_s`
+    and `recover_s`; lost work is the rolled-back steps times the median step
+    time; training is the time of the kept steps only, so the six parts add up
+    to the wall time (overlap, e.g. an async checkpoint, only shrinks "other").
+    """
+    t0 = next((e["t"] for e in events if e["event"] == "job_start"), events[0]["t"])
+    out = RunTimeline(world=[(0.0, 0)])  # nobody trains until the first generation starts
+    last_run: dict[int, dict] = {}
+    step_times = []
+    starting: tuple[float, int] | None = None  # a generation counts as training from its first step, not its start-up
+    for e in events:
+        kind, t = e["event"], e["t"] - t0
+        if kind == "step":
+            if starting is not None:
+                out.world.append((max(starting[0], t - e["step_s"]), starting[1]))
+                starting = None
+            if e["step"] in last_run:
+                out.rolled_back.append((e["step"], last_run[e["step"]]["loss"]))
+            last_run[e["step"]] = e
+            step_times.append(e["step_s"])
+        elif kind == "generation_start":
+            trained = _last_training_size(out.world)
+            if trained is not None and e["world_size"] != trained:
+                out.resizes.append(Marker(e.get("resume_step"), t, f"{trained} -> {e['world_size']} workers"))
+            starting = (t, e["world_size"])
+        elif kind == "failure_detected":
+            rank = "" if e.get("rank") is None else f" rank {e['rank']}"
+            out.failures.append(Marker(e.get("step"), t, f"{e.get('kind', '?')}{rank}"))
+            out.world.append((t, 0))
+            starting = None
+    out.kept_steps = sorted(last_run)
+    out.kept_losses = [last_run[s]["loss"] for s in out.kept_steps]
+    out.end_t = events[-1]["t"] - t0
+    out.wall_s = float(report.get("wall_s") or out.end_t)
+
+    median_step = statistics.median(step_times) if step_times else 0.0
+    lost_steps = sum(e.get("lost_steps") or 0 for e in events if e["event"] == "recovering")
+    parts = {
+        "training": sum(last_run[s]["step_s"] for s in out.kept_steps),
+        "checkpoint stall": sum(e.get("commit_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
+        "detection": sum(e.get("detect_s") or 0.0 for e in events if e["event"] == "failure_detected"),
+        "recovery": sum(e.get("recover_s") or 0.0 for e in events if e["event"] == "recovered"),
+        "lost work": lost_steps * median_step,
+    }
+    parts["other"] = max(0.0, out.wall_s - sum(parts.values()))
+    out.breakdown = parts
+    return out
+
+
+def _last_training_size(world: list[tuple[float, int]]) -> int | None:
+    """The world size of the last generation that trained (a failure's 0 is not a size)."""
+    return next((w for _, w in reversed(world) if w), None)
+
+
+# --------------------------------------------------------------------------- table
+def _num(value, fmt: str = "{:.2f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _layout(layout: dict) -> str:
+    parts = [f"{axis}={degree}" for axis, degree in layout.items() if degree > 1]
+    return "x".join(parts) or "single"
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    """The run at a glance: one (label, value) row per line of the summary table."""
+    sizes = [f"{w} ({_layout(layout)})" for w, layout in zip(report["world_sizes"], report["layouts"])]
+    samples = report["samples"] or {}
+    skipped = report["checkpoints_skipped"]
+    state = report["state"] + (f": {report['reason']}" if report.get("reason") else "")
+    return [
+        ("run", f"{report['name']} ({state})"),
+        ("steps", f"{report['steps_completed']} / {report['steps_planned']}"),
+        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("goodput", f"{report['goodput']:.1%} of wall time in kept training steps"),
+        ("loss", f"{_num(report['initial_loss'], '{:.4f}')} -> {_num(report['final_loss'], '{:.4f}')}"),
+        ("world sizes", " -> ".join(sizes) or "-"),
+        ("generations", str(report["generations"])),
+        ("failures", f"{report['failures_detected']} detected, {report['faults_injected']} faults injected"),
+        ("samples", (f"{samples.get('expected', '-')} expected: {samples.get('seen_once', '-')} seen once, "
+                     f"{samples.get('duplicated', '-')} duplicated, {samples.get('missing', '-')} missing")),
+        ("checkpoints", (f"{len(report['checkpoints_committed'])} committed (last step {_num(report['last_committed_step'], '{}')}), "
+                         f"{len(skipped)} skipped")),
+    ]
+
+
+FAILURE_COLUMNS = ("#", "kind", "detected as", "rank", "node", "culprit", "step", "detect s", "recover s", "lost steps", "resume step")
+
+
+def failure_rows(report: dict) -> list[list[str]]:
+    """One row per detected failure; node ids are Ray's 56-hex ids, so only their head is shown."""
+    rows = []
+    for i, f in enumerate(report["failures"], 1):
+        node = f.get("node")
+        rows.append([str(i), str(f.get("kind")), str(f.get("detected_as") or "-"), _num(f.get("rank"), "{}"),
+                     node[:8] if isinstance(node, str) else "-", _num(f.get("culprit"), "{}"), _num(f.get("step"), "{}"),
+                     _num(f.get("detect_s"), "{:.3f}"), _num(f.get("recover_s"), "{:.3f}"), _num(f.get("lost_steps"), "{}"),
+                     _num(f.get("resume_step"), "{}")])
+    return rows
+
+
+def breakdown_rows(timeline: RunTimeline) -> list[list[str]]:
+    wall = timeline.wall_s or 1.0
+    return [[name, f"{timeline.breakdown[name]:.2f}", f"{timeline.breakdown[name] / wall:.1%}"] for name in BREAKDOWN]
+
+
+def _plain(columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [list(columns)] + rows) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [list(columns)] + rows)
+
+
+def render_plain(report: dict, timeline: RunTimeline) -> str:
+    """The report as aligned plain text, for pipes, `ray job logs` and CI logs."""
+    width = max(len(k) for k, _ in summary_rows(report))
+    out = [f"{k.ljust(width)}  {v}" for k, v in summary_rows(report)]
+    failures = failure_rows(report)
+    out += ["", "failures:", _plain(FAILURE_COLUMNS, failures) if failures else "none"]
+    out += ["", "time breakdown:", _plain(("part", "seconds", "of wall"), breakdown_rows(timeline))]
+    return "\n".join(out)
+
+
+def print_rich(report: dict, timeline: RunTimeline) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    summary = Table(title=f"run {report['name']}", show_header=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    for label, value in summary_rows(report):
+        summary.add_row(label, value, style="red" if label == "run" and report["state"] != "FINISHED" else None)
+    console.print(summary)
+    failures = failure_rows(report)
+    if failures:
+        table = Table(title="failures")
+        for col in FAILURE_COLUMNS:
+            table.add_column(col, justify="left" if col in ("kind", "detected as", "node") else "right")
+        for row in failures:
+            table.add_row(*row)
+        console.print(table)
+    else:
+        console.print("failures: none")
+    breakdown = Table(title="time breakdown")
+    for col in ("part", "seconds", "of wall"):
+        breakdown.add_column(col, justify="left" if col == "part" else "right")
+    for row in breakdown_rows(timeline):
+        breakdown.add_row(*row)
+    console.print(breakdown)
+
+
+def run(args: argparse.Namespace) -> int:
+    report, events = load_run(args.run_dir)
+    timeline = analyse(report, events)
+    if sys.stdout.isatty():
+        print_rich(report, timeline)
+    else:
+        print(render_plain(report, timeline))
+    if not args.no_plots:
+        from elastic.plots import write_plots
+
+        paths = write_plots(report, timeline, Path(args.run_dir))
+        print("plots: " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,412 @@
+"""The controller: an explicit state machine that keeps one elastic job alive.
+
+    SCHEDULING --layout chosen, workers started--> RUNNING
+    RUNNING --all ranks done--> FINISHED
+    RUNNING --dead rank / dead node / hang / worker error--> RECOVERING
+    RUNNING --more workers available, at a checkpoint boundary--> RESIZING
+    RECOVERING --policy retries--> SCHEDULING      (--policy gives up--> FAILED)
+    RESIZING --checkpoint committed--> SCHEDULING
+    SCHEDULING --below min_workers for too long--> FAILED
+
+`step()` runs one iteration, so tests can drive it one transition at a time
+with any worker group that has the `RayWorkerGroup` methods. Decisions come
+from the injected `FailurePolicy` and `ScalingPolicy`. The controller hosts the
+rendezvous store (it outlives every worker), learns of deaths from Ray and of
+hangs from missed progress deadlines, and is the checkpoint coordinator:
+ranks report their index rows, the controller writes the index and the
+manifest (the commit) once every rank of the current generation has written.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from dataclasses import dataclass, field
+
+import storage
+from elastic.config import JobConfig
+from elastic.data import GlobalSampler
+from elastic.events import EventLog
+from elastic.faults import Fault
+from elastic.layout import Layout
+from elastic.ledger import SampleLedger
+from elastic.policies import Failure, FailurePolicy, ScalingPolicy
+from elastic.train import RankSpec, lr_at
+from elastic.watchdog import HangWatchdog
+from elastic.worker_group import StartError
+
+_COLLECTIVE_FRAMES = re.compile(r"all_reduce|all_gather|reduce_scatter|barrier|broadcast|_wait|recv|send")
+
+
+class State(enum.Enum):
+    SCHEDULING = "SCHEDULING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+
+@dataclass
+class _StepTally:
+    loss_sum: float = 0.0
+    reporters: int = 0
+    samples: list[int] = field(default_factory=list)
+    t_start: float = 0.0
+
+
+class Controller:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        group,
+        events: EventLog,
+        *,
+        faults: list[Fault] = (),
+        cluster=None,
+        fault_store=None,
+        scaling: ScalingPolicy | None = None,
+        failure: FailurePolicy | None = None,
+        clock=time.time,
+    ):
+        self.cfg = cfg
+        self.group = group
+        self.events = events
+        self.cluster = cluster
+        self.fault_store = fault_store
+        self.scaling = scaling or ScalingPolicy(cfg)
+        self.failure_policy = failure or FailurePolicy(cfg.fault.max_failures)
+        self.watchdog = HangWatchdog(cfg.fault)
+        self.clock = clock
+        self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, cfg.training.global_batch)
+        self.ledger = SampleLedger()
+        self.faults = list(faults)
+        self.fired: dict[int, float] = {}
+        self.state = State.SCHEDULING
+        self.generation = 0
+        self.layout: Layout | None = None
+        self.resume_step: int | None = None
+        self.last_committed: int | None = None
+        self.completed_step = -1  # last step every data slice reported in this generation
+        self.last_step_done_at: float | None = None
+        self.pending_failure: Failure | None = None
+        self.losses: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
+        self.tallies: dict[int, _StepTally] = {}
+        self.pending_rows: dict[int, dict[int, list]] = {}
+        self.failures: list[dict] = []
+        self.open_failure: dict | None = None
+        self.finished_ranks: set[int] = set()
+        self.waiting_since: float | None = None
+        self.max_seen_step = -1
+        self.resize_target: int | None = None
+        self.next_grow_check = 0.0
+        self.failed_reason: str | None = None
+        self.started_at = clock()
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> State:
+        while self.state not in (State.FINISHED, State.FAILED):
+            self.step()
+        return self.state
+
+    def step(self) -> State:
+        handler = {
+            State.SCHEDULING: self._schedule,
+            State.RUNNING: self._run_once,
+            State.RESIZING: self._run_once,
+            State.RECOVERING: self._recover,
+        }[self.state]
+        handler()
+        return self.state
+
+    def _transition(self, state: State, **why) -> None:
+        self.events.emit("state", state=state.value, previous=self.state.value, generation=self.generation, **why)
+        self.state = state
+
+    # -- SCHEDULING ------------------------------------------------------------------
+    def _schedule(self) -> None:
+        now = self.clock()
+        available = self.group.capacity()
+        decision = self.scaling.decide(available, self.layout)
+        if decision.layout is None:
+            if self.waiting_since is None:
+                self.waiting_since = now
+                self.events.emit("waiting_for_workers", available=available, reason=decision.reason)
+            if now - self.waiting_since > self.cfg.scaling.wait_for_workers_s:
+                self.failed_reason = f"gave up after {self.cfg.scaling.wait_for_workers_s}s: {decision.reason}"
+                self._transition(State.FAILED, reason=self.failed_reason)
+            else:
+                time.sleep(self.cfg.fault.heartbeat_s)
+            return
+        self.waiting_since = None
+        self.generation += 1
+        self.layout = decision.layout
+        self.events.emit(
+            "generation_start", generation=self.generation, world_size=self.layout.world_size,
+            layout=self.layout.as_dict(), resume_step=self.resume_step, available=available, reason=decision.reason,
+        )
+        unfired = [f.as_dict() for f in self.faults if f.id not in self.fired and f.kind != "corrupt"]
+        specs = [
+            RankSpec(
+                config=self.cfg.model_dump(mode="json"), layout=self.layout.as_dict(), rank=r, generation=self.generation,
+                resume_step=self.resume_step, faults=unfired, device=self._device(),
+            ).__dict__
+            for r in range(self.layout.world_size)
+        ]
+        try:
+            self.group.start(self.layout, specs)
+        except StartError as exc:
+            self.group.shutdown()
+            self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
+            return
+        self.tallies.clear()
+        self.pending_rows.clear()
+        self.finished_ranks.clear()
+        self.completed_step = (self.resume_step or 0) - 1
+        self.last_step_done_at = None
+        self.watchdog.reset(self.clock())
+        self._transition(State.RUNNING, world_size=self.layout.world_size)
+
+    def _device(self) -> str:
+        if self.cfg.device != "auto":
+            return self.cfg.device
+        return "cuda" if self.cfg.scaling.gpus_per_worker > 0 else "cpu"
+
+    # -- RUNNING --------------------------------------------------------------------
+    def _run_once(self) -> None:
+        statuses = self.group.poll(self.cfg.fault.heartbeat_s)
+        now = self.clock()
+        self._check_fault_signals(now)
+        dead = [s for s in statuses if not s.alive]
+        for s in statuses:
+            if s.alive:
+                self._absorb(s.rank, s.poll, now)
+        if dead:
+            ranks = [s.rank for s in dead]
+            injected = [f for f in self.faults if self.fired.get(f.id, -1) > 0 and f.rank in ranks]
+            rank = injected[-1].rank if injected else ranks[0]
+            node = self.group.node_of(rank)
+            kind = "node_died" if node is not None and not self.group.node_alive(node) else "rank_died"
+            detail = f"dead ranks {ranks}: {dead[0].error or ''}"
+            self._on_failure(Failure(kind, rank, node, rank, self.completed_step + 1, detail), now)
+            return
+        errors = [s for s in statuses if s.alive and s.poll.get("error")]
+        if errors:
+            s = errors[0]
+            self._on_failure(
+                Failure("worker_error", s.rank, self.group.node_of(s.rank), s.rank, self.completed_step + 1, s.poll["error"]), now
+            )
+            return
+        if self.layout and len(self.finished_ranks) == self.layout.world_size:
+            self._transition(State.FINISHED, steps=self.completed_step + 1)
+            return
+        if self.state is State.RESIZING and self.last_committed == self.resize_target:
+            self._resize()
+            return
+        if self.state is State.RUNNING and now >= self.next_grow_check:
+            self.next_grow_check = now + 1.0
+            self._maybe_grow()
+        phases = {s.poll["phase"] for s in statuses if s.alive}
+        if self.watchdog.expired(now, "save" if "save" in phases else "step"):
+            self._on_hang(now)
+
+    def _absorb(self, rank: int, poll: dict, now: float) -> None:
+        if poll["generation"] != self.generation:
+            return  # fenced: a stale rank's reports count for nothing
+        self.max_seen_step = max(self.max_seen_step, poll["step"])
+        for rec in poll["records"]:
+            if rec["kind"] == "step":
+                self._on_step_record(rec, now)
+            elif rec["kind"] == "saved":
+                self._on_saved(rank, rec)
+            elif rec["kind"] == "ready":
+                self.watchdog.touch(now)
+        if poll["finished"]:
+            self.finished_ranks.add(rank)
+
+    def _on_step_record(self, rec: dict, now: float) -> None:
+        step = rec["step"]
+        tally = self.tallies.setdefault(step, _StepTally(t_start=rec["t_start"]))
+        if "loss_sum" not in rec:
+            return
+        tally.loss_sum += rec["loss_sum"]
+        tally.reporters += 1
+        tally.samples.extend(rec["samples"])
+        if tally.reporters < self.layout.dp:
+            return
+        del self.tallies[step]
+        t = self.cfg.training
+        loss = tally.loss_sum / (t.global_batch * self.cfg.data.seq_len)
+        self.losses[step] = loss
+        self.step_times[step] = now
+        self.ledger.record(step, tally.samples)
+        duration = now - (self.last_step_done_at or tally.t_start)
+        self.last_step_done_at = now
+        self.completed_step = step
+        self.watchdog.observe_step(duration, now)
+        self.events.emit("step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, grad_norm=rec["grad_norm"])
+        if self.open_failure is not None:
+            failure = self.open_failure
+            failure["recover_s"] = now - failure["detected_at"]
+            self.open_failure = None
+            self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step)
+
+    def _on_saved(self, rank: int, rec: dict) -> None:
+        step = rec["step"]
+        rows = self.pending_rows.setdefault(step, {})
+        rows[rank] = rec
+        if len(rows) < self.layout.world_size:
+            return
+        del self.pending_rows[step]
+        save_s = max(r["save_s"] for r in rows.values())
+        stalls = [r["stall_s"] for r in rows.values() if r.get("stall_s") is not None]
+        t0 = self.clock()
+        train_state = {
+            "step": step,
+            "data_cursor": self.sampler.cursor(step),
+            "data_seed": self.cfg.data.seed,
+            "model_seed": self.cfg.training.seed,
+            "scheduler": {"name": "warmup_cosine", "last_step": step, "lr": lr_at(step, self.cfg)},
+            "generation": self.generation,
+        }
+        all_rows = [row for r in sorted(rows) for row in rows[r]["rows"]]
+        storage.commit(self.cfg.checkpoint.uri, step, all_rows, layout=self.layout.as_dict(), train_state=train_state)
+        self.last_committed = step
+        storage.retain(self.cfg.checkpoint.uri, self.cfg.checkpoint.keep)
+        self.watchdog.touch(self.clock())
+        self.events.emit(
+            "checkpoint_committed", step=step, commit_s=self.clock() - t0, save_s=save_s,
+            stall_s=max(stalls) if stalls else save_s, generation=self.generation,
+        )
+
+    # -- RESIZING (planned, loses nothing) -------------------------------------------------
+    def _maybe_grow(self) -> None:
+        """More workers than we use: stop every rank at a common step a little ahead, save, restart larger."""
+        available = self.group.capacity()
+        if not self.scaling.should_grow(available, self.layout):
+            return
+        target = min(self.max_seen_step + 2, self.cfg.training.steps)
+        if target >= self.cfg.training.steps:
+            return
+        self.resize_target = target
+        self.group.stop_after(target)
+        self.events.emit("resize_requested", available=available, world_size=self.layout.world_size, at_step=target)
+        self._transition(State.RESIZING, at_step=target)
+
+    def _resize(self) -> None:
+        self.group.shutdown()
+        self.resume_step = self.resize_target
+        self.resize_target = None
+        self.events.emit("resized", resume_step=self.resume_step, lost_steps=0)
+        self._transition(State.SCHEDULING, resume_step=self.resume_step)
+
+    # -- faults ------------------------------------------------------------------------
+    def _check_fault_signals(self, now: float) -> None:
+        """Faults signal through the rendezvous store when they fire; node faults are carried out here."""
+        if self.fault_store is None:
+            return
+        for fault in self.faults:
+            if fault.id in self.fired or fault.kind == "corrupt":
+                continue
+            key = f"fault/{fault.id}"
+            if not self.fault_store.check([key]):
+                continue
+            fired_at = float(self.fault_store.get(key).decode())
+            node = self.group.node_of(fault.rank)
+            if fault.kind == "node":
+                fired_at = self.clock()
+                self.cluster.remove_node(node)
+            self.fired[fault.id] = fired_at
+            self.events.emit("fault_injected", fault_id=fault.id, kind=fault.kind, rank=fault.rank, step=fault.step, node=node, t_fault=fired_at, where=fault.where)
+        for fault in self.faults:
+            if fault.kind == "corrupt" and fault.id not in self.fired and self.completed_step >= fault.step:
+                self.fired[fault.id] = -1.0  # armed: carried out before the next restore
+
+    def _corrupt_newest(self) -> None:
+        for fault in self.faults:
+            if fault.kind == "corrupt" and self.fired.get(fault.id) == -1.0:
+                target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
+                self.fired[fault.id] = self.clock()
+                self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None, t_fault=self.fired[fault.id], target=target)
+
+    def _matching_fault(self, failure: Failure) -> dict | None:
+        """The most recent injected fault this failure is the detection of."""
+        claimed = {f.get("fault_id") for f in self.failures}
+        for e in reversed(self.events.of("fault_injected")):
+            if e["fault_id"] not in claimed and e["kind"] != "corrupt":
+                return e
+        return None
+
+    # -- failures ------------------------------------------------------------------------
+    def _on_hang(self, now: float) -> None:
+        stacks = self.group.stacks()
+        polls = {s.rank: s.poll for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
+        culprit = self._culprit(stacks, polls)
+        self.events.emit("hang_stacks", stacks={str(k): v[-4000:] for k, v in stacks.items()}, culprit=culprit)
+        node = self.group.node_of(culprit) if culprit is not None else None
+        self._on_failure(Failure("hang", culprit, node, culprit, self.completed_step + 1, "missed progress deadline"), now)
+
+    @staticmethod
+    def _culprit(stacks: dict[int, str], polls: dict[int, dict]) -> int | None:
+        """The rank furthest behind; among equals, the one not waiting in a collective."""
+        from elastic.train import PHASES
+
+        def behind(rank: int):
+            p = polls.get(rank, {"step": -1, "phase": "start"})
+            in_collective = bool(_COLLECTIVE_FRAMES.search(stacks.get(rank, "").split("--- thread train")[-1]))
+            return (p["step"], PHASES.index(p["phase"]) if p["phase"] in PHASES else 0, in_collective)
+
+        ranks = sorted(stacks)
+        return min(ranks, key=behind) if ranks else None
+
+    def _on_failure(self, failure: Failure, now: float) -> None:
+        fault = self._matching_fault(failure)
+        record = {
+            "kind": fault["kind"] if fault else failure.kind,
+            "detected_as": failure.kind,
+            "rank": failure.rank,
+            "node": failure.node,
+            "culprit": failure.culprit,
+            "step": failure.step,
+            "fault_id": fault["fault_id"] if fault else None,
+            "detected_at": now,
+            "detect_s": (now - fault["t_fault"]) if fault else None,
+            "recover_s": None,
+            "lost_steps": None,
+            "detail": failure.detail[-2000:],
+        }
+        self.failures.append(record)
+        self.events.emit("failure_detected", **{k: v for k, v in record.items() if k != "detail"}, detail=failure.detail[-500:])
+        self.pending_failure = failure
+        self._transition(State.RECOVERING, failure=failure.kind)
+
+    # -- RECOVERING -------------------------------------------------------------------------
+    def _recover(self) -> None:
+        failure = self.pending_failure
+        self.group.shutdown()
+        decision = self.failure_policy.decide(failure)
+        record = self.failures[-1]
+        if decision.exclude_node:
+            self.group.excluded_nodes.add(decision.exclude_node)
+        if not decision.retry:
+            self.failed_reason = decision.reason
+            self._transition(State.FAILED, reason=decision.reason)
+            return
+        self._corrupt_newest()
+        resume = storage.latest_valid(
+            self.cfg.checkpoint.uri,
+            on_skip=lambda step, reason: self.events.emit("checkpoint_skipped", step=step, reason=str(reason)),
+        )
+        self.resume_step = resume
+        start = resume or 0
+        record["lost_steps"] = max(0, self.completed_step + 1 - start)
+        record["resume_step"] = resume
+        self.ledger.rollback(start)
+        for step in [s for s in self.losses if s >= start]:
+            del self.losses[step]
+            self.step_times.pop(step, None)
+        self.open_failure = record
+        self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason)
+        self._transition(State.SCHEDULING, resume_step=resume)

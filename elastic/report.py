@@ -1,0 +1,51 @@
+"""report.json: what happened in a run and what it cost.
+
+Built from the controller's own record at the end of a run. Every failure is
+matched to the injected fault it detected (when there was one), with the
+time from fault to detection and from detection to the first completed step
+of the next generation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def build_report(ctrl) -> dict:
+    cfg = ctrl.cfg
+    steps = sorted(ctrl.losses)
+    wall = ctrl.clock() - ctrl.started_at
+    last_run = {e["step"]: e["step_s"] for e in ctrl.events.of("step")}  # a re-run step overwrites its rolled-back run
+    kept_time = sum(last_run[s] for s in steps)
+    expected = [i for s in range(len(steps)) for i in ctrl.sampler.global_indices(s)]
+    injected = ctrl.events.of("fault_injected")
+    return {
+        "name": cfg.name,
+        "state": ctrl.state.value,
+        "reason": ctrl.failed_reason,
+        "steps_completed": len(steps),
+        "steps_planned": cfg.training.steps,
+        "initial_loss": ctrl.losses[steps[0]] if steps else None,
+        "final_loss": ctrl.losses[steps[-1]] if steps else None,
+        "losses": [ctrl.losses[s] for s in steps],
+        "world_sizes": [e["world_size"] for e in ctrl.events.of("generation_start")],
+        "layouts": [e["layout"] for e in ctrl.events.of("generation_start")],
+        "generations": ctrl.generation,
+        "failures": [{k: v for k, v in f.items() if k not in ("detected_at", "detail")} for f in ctrl.failures],
+        "failures_detected": len(ctrl.failures),
+        "faults_injected": len(injected),
+        "faults": [{k: e.get(k) for k in ("fault_id", "kind", "rank", "step", "node", "t_fault")} for e in injected],
+        "samples": ctrl.ledger.summary(expected),
+        "checkpoints_committed": [e["step"] for e in ctrl.events.of("checkpoint_committed")],
+        "checkpoints_skipped": [{"step": e["step"], "reason": e["reason"]} for e in ctrl.events.of("checkpoint_skipped")],
+        "last_committed_step": ctrl.last_committed,
+        "wall_s": wall,
+        "goodput": kept_time / wall if wall > 0 else 0.0,
+    }
+
+
+def write_report(report: dict, run_dir: Path) -> Path:
+    path = Path(run_dir) / "report.json"
+    path.write_text(json.dumps(report, indent=2, default=str))
+    return path

@@ -1,0 +1,231 @@
+"""The training loop of one rank, independent of Ray.
+
+It runs inside an initialised torch.distributed group and reports what it does
+through a `Progress` sink (the Ray worker forwards it to the controller; a
+plain torch.distributed program can print it). The learning rate is a pure
+function of the step and the data position a pure function of the step, so
+the state that must survive a restart is the tensors plus one integer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import storage
+from elastic.config import JobConfig
+from elastic.data import GlobalSampler, SyntheticTokens
+from elastic.faults import Fault
+from elastic.layout import Layout
+from elastic.model import build_model, initial_state
+from strategies import clip_grad_norm, load_full_state, parallelize
+
+PHASES = ("start", "load", "data", "forward_backward", "optimizer", "save", "done")
+
+
+def lr_at(step: int, cfg: JobConfig) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Progress:
+    """Where a rank reports progress: current (step, phase) and a queue of records."""
+
+    def __init__(self):
+        self.step = -1
+        self.phase = "start"
+        self.phase_since = time.time()
+        self._records: list[dict] = []
+        self._lock = threading.Lock()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.phase_since = time.time()
+
+    def record(self, kind: str, **fields) -> None:
+        with self._lock:
+            self._records.append({"kind": kind, "t": time.time(), **fields})
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
+
+@dataclass
+class Control:
+    """What the controller can ask of a running loop: stop now, or stop after a given step (a planned resize)."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    stop_at: int | None = None
+
+
+@dataclass
+class RankSpec:
+    """What one rank of one generation needs to know."""
+
+    config: dict
+    layout: dict
+    rank: int
+    generation: int
+    resume_step: int | None = None
+    faults: list[dict] = field(default_factory=list)
+    device: str = "cpu"
+
+
+def _fault_signal(store, fault: Fault) -> None:
+    """Tell the controller, through the rendezvous store, that a fault fires now (before it makes us unreachable)."""
+    if store is not None:
+        store.set(f"fault/{fault.id}", str(time.time()))
+
+
+def _block_forever(stop: threading.Event) -> None:
+    while not stop.wait(3600):
+        pass
+
+
+class Trainer:
+    """One rank's model, optimizer and loop for one generation."""
+
+    def __init__(self, spec: RankSpec, progress: Progress, fault_store=None, control: "Control | None" = None):
+        self.spec = spec
+        self.cfg = JobConfig.model_validate(spec.config)
+        self.layout = Layout(**spec.layout)
+        self.rank = spec.rank
+        self.progress = progress
+        self.fault_store = fault_store
+        self.control = control or Control()
+        self.stop = self.control.stop
+        self._writer: threading.Thread | None = None
+        self.faults = [Fault(**f) for f in spec.faults]
+        self.device = torch.device(spec.device)
+        self.data = SyntheticTokens(self.cfg.data, self.cfg.model.vocab_size)
+        self.sampler = GlobalSampler(self.cfg.data.num_samples, self.cfg.data.seed, self.cfg.training.global_batch)
+
+    # -- set-up ------------------------------------------------------------------
+    def build(self) -> None:
+        cfg = self.cfg
+        self.progress.enter("load")
+        self.mesh = self.layout.build_mesh(self.device.type)
+        model = build_model(cfg.model)
+        self.pm = parallelize(model, self.mesh, cfg.parallel, micro_batch=cfg.training.micro_batch)
+        for part in self.pm.model_parts:
+            part.to_empty(device=self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.pm.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay, foreach=True
+        )
+        if self.spec.resume_step is None:
+            load_full_state(self.pm, initial_state(build_model(cfg.model), cfg.training.seed))
+            self.start_step = 0
+        else:
+            storage.load_training_state(cfg.checkpoint.uri, self.spec.resume_step, self.pm.model_parts, self.optimizer)
+            self.start_step = self.spec.resume_step
+
+    # -- faults --------------------------------------------------------------------
+    def _faults_at(self, step: int, kinds: tuple[str, ...]) -> list[Fault]:
+        return [f for f in self.faults if f.step == step and f.rank == self.rank and f.kind in kinds]
+
+    def _inject_before_step(self, step: int) -> None:
+        for fault in self._faults_at(step, ("kill", "node", "hang")):
+            _fault_signal(self.fault_store, fault)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "node":
+                # The controller removes our node; wait here until it does.
+                self.progress.enter("data", step)
+                _block_forever(self.stop)
+            elif fault.where == "collective":
+                # Enter a collective that no other rank joins: they block in the step's collectives.
+                self.progress.enter("data", step)
+                dist.barrier()
+                _block_forever(self.stop)
+            else:
+                self.progress.enter("data", step)
+                _block_forever(self.stop)
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> None:
+        self.build()
+        cfg, layout = self.cfg, self.layout
+        t = cfg.training
+        scale = layout.dp / (t.global_batch * cfg.data.seq_len)
+        reporter = layout.is_data_reporter(self.rank)
+        dp_rank = layout.dp_rank(self.rank)
+        self.progress.record("ready", start_step=self.start_step)
+        for step in range(self.start_step, t.steps):
+            if self.stop.is_set():
+                return
+            self._inject_before_step(step)
+            t0 = time.time()
+            self.progress.enter("data", step)
+            indices = self.sampler.rank_indices(step, dp_rank, layout.dp)
+            inputs, labels = (x.to(self.device) for x in self.data.batch(indices))
+            self.progress.enter("forward_backward", step)
+            loss_sum = self.pm.forward_backward(inputs, labels, scale)
+            self.progress.enter("optimizer", step)
+            grad_norm = clip_grad_norm(self.pm, t.grad_clip)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            record = {"step": step, "t_start": t0, "grad_norm": float(grad_norm)}
+            if reporter:
+                record.update(loss_sum=float(loss_sum), samples=indices)
+            self.progress.record("step", **record)
+            done = step + 1
+            stop_here = self.control.stop_at is not None and done >= self.control.stop_at
+            if done % cfg.checkpoint.every_steps == 0 or done == t.steps or stop_here:
+                # The last save of a run (or before a planned resize) is synchronous: nothing may be lost.
+                self.save(done, background=cfg.checkpoint.async_save and done != t.steps and not stop_here)
+            if stop_here:
+                self.progress.record("paused", step=done)
+                return
+        self._wait_for_writer()
+        self.progress.enter("done", t.steps)
+
+    def _wait_for_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def save(self, step: int, background: bool = False) -> None:
+        """Snapshot this rank's shards of the state after `step` steps, write them, report the index rows.
+
+        With `background`, only the snapshot stalls training; the write runs in a
+        thread (at most one in flight) and the rows are reported when it is done.
+        """
+        self._wait_for_writer()
+        self.progress.enter("save", step)
+        t0 = time.time()
+        snap = storage.snapshot(storage.state_tensors(self.pm.model_parts, self.optimizer))
+        kill = self._faults_at(step, ("kill_during_save",))
+
+        def write() -> None:
+            rows = storage.write_shards(self.cfg.checkpoint.uri, step, self.rank, snap)
+            self.progress.record("saved", step=step, rows=rows, save_s=time.time() - t0, stall_s=stall)
+
+        stall = time.time() - t0 if background else None
+        if kill:
+            threading.Thread(target=write, daemon=True).start()
+            time.sleep(0.005 * (1 + kill[0].id % 4))
+            _fault_signal(self.fault_store, kill[0])
+            os.kill(os.getpid(), signal.SIGKILL)
+        if background:
+            self._writer = threading.Thread(target=write, name=f"ckpt-{step}", daemon=True)
+            self._writer.start()
+        else:
+            write()

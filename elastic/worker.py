@@ -1,0 +1,112 @@
+"""The worker: a Ray actor per rank that hosts the training loop in a thread.
+
+The loop runs in its own thread so the actor keeps answering `poll` and
+`stacks` while a step runs or is stuck in a collective. The controller never
+waits on a collective: it polls, and tears workers down itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import ray
+
+
+def _device_for(spec_device: str, gpus: float) -> str:
+    if spec_device == "cpu" or (spec_device == "auto" and gpus == 0):
+        return "cpu"
+    return "cuda"
+
+
+@ray.remote(max_restarts=0, max_concurrency=4)
+class Worker:
+    def __init__(self):
+        import torch  # imported here so start-up cost is paid when the actor is created, not at start()
+
+        torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
+        self._thread: threading.Thread | None = None
+        self._control = None
+        self._progress = None
+        self._error: str | None = None
+        self._finished = False
+        self._generation = -1
+
+    def info(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "gpu_ids": ray.get_gpu_ids(),
+        }
+
+    def start(self, spec_dict: dict, store_host: str, store_port: int, timeout_s: float) -> None:
+        """Join the generation's process group and train in a background thread."""
+        from elastic.train import Progress, RankSpec
+
+        from elastic.train import Control
+
+        spec = RankSpec(**spec_dict)
+        self._generation = spec.generation
+        self._control = Control()
+        self._progress = Progress()
+        self._thread = threading.Thread(
+            target=self._main, args=(spec, store_host, store_port, timeout_s), name=f"train-g{spec.generation}-r{spec.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _main(self, spec, store_host: str, store_port: int, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from elastic.train import Trainer
+
+        try:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
+            if spec.device == "cuda":
+                torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU
+            backend = "nccl" if spec.device == "cuda" else "gloo"
+            world = 1
+            for v in spec.layout.values():
+                world *= v
+            dist.init_process_group(backend, store=gen_store, rank=spec.rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            Trainer(spec, self._progress, fault_store=store, control=self._control).run()
+            if not self._control.stop.is_set():
+                dist.barrier()
+                dist.destroy_process_group()
+            self._finished = True
+        except BaseException:  # reported to the controller through poll()
+            self._error = traceback.format_exc()
+
+    def poll(self) -> dict:
+        """Current step and phase, new records, and whether the loop ended (finished or failed)."""
+        p = self._progress
+        return {
+            "generation": self._generation,
+            "step": p.step if p else -1,
+            "phase": p.phase if p else "idle",
+            "phase_s": time.time() - p.phase_since if p else 0.0,
+            "records": p.drain() if p else [],
+            "finished": self._finished,
+            "error": self._error,
+        }
+
+    def stacks(self) -> str:
+        """The Python stack of every thread of this process, for naming the culprit of a hang."""
+        frames = sys._current_frames()
+        parts = []
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident)
+            if frame is not None:
+                parts.append(f"--- thread {thread.name}\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
+
+    def stop_after(self, step: int) -> None:
+        """Finish `step` (counting completed steps), save, and end the loop: a planned resize loses nothing."""
+        self._control.stop_at = step

@@ -1,0 +1,140 @@
+"""The Ray-backed worker group: places, starts, polls and tears down one generation of workers.
+
+Placement fills nodes in a stable order with consecutive ranks, so a
+tensor-parallel group (consecutive ranks, `tp` innermost) stays on one node
+whenever a node's slots are a multiple of `tp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic.config import JobConfig
+from elastic.layout import Layout
+from elastic.worker import Worker
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    alive: bool
+    poll: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class Member:
+    rank: int
+    node_id: str
+    actor: object
+    pid: int = 0
+    pending: object = None
+
+
+class StartError(RuntimeError):
+    """Workers could not be started; the message carries the worker's own error."""
+
+
+@dataclass
+class RayWorkerGroup:
+    cfg: JobConfig
+    store_host: str
+    store_port: int
+    members: list[Member] = field(default_factory=list)
+    excluded_nodes: set[str] = field(default_factory=set)
+
+    # -- capacity ----------------------------------------------------------------
+    def _slots(self, resources: dict) -> int:
+        s = self.cfg.scaling
+        slots = int(resources.get("CPU", 0) // s.cpus_per_worker)
+        if s.gpus_per_worker > 0:
+            slots = min(slots, int(resources.get("GPU", 0) // s.gpus_per_worker))
+        return slots
+
+    def node_slots(self) -> list[tuple[str, int]]:
+        """Alive, non-excluded nodes and how many workers each can host, in a stable order."""
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.excluded_nodes]
+        out = [(n["NodeID"], self._slots(n["Resources"])) for n in nodes]
+        return sorted((n, s) for n, s in out if s > 0)
+
+    def capacity(self) -> int:
+        return sum(s for _, s in self.node_slots())
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self, layout: Layout, specs: list[dict]) -> None:
+        """Create one actor per rank (node by node), check each started, then start training."""
+        s = self.cfg.scaling
+        placement: list[str] = []
+        for node_id, slots in self.node_slots():
+            placement += [node_id] * slots
+        if len(placement) < layout.world_size:
+            raise StartError(f"need {layout.world_size} worker slots, the cluster has {len(placement)}")
+        self.members = []
+        for rank in range(layout.world_size):
+            actor = Worker.options(
+                num_cpus=s.cpus_per_worker,
+                num_gpus=s.gpus_per_worker,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(placement[rank], soft=False),
+                name=None,
+            ).remote()
+            self.members.append(Member(rank, placement[rank], actor))
+        infos = [m.actor.info.remote() for m in self.members]
+        try:
+            for member, info in zip(self.members, ray.get(infos, timeout=self.cfg.fault.startup_timeout_s)):
+                member.pid = info["pid"]
+        except GetTimeoutError:
+            raise StartError(f"workers did not start within fault.startup_timeout_s={self.cfg.fault.startup_timeout_s}s") from None
+        except (RayActorError, RayTaskError) as exc:
+            raise StartError(f"a worker failed to start: {exc}") from None
+        timeout = max(60.0, self.cfg.fault.startup_timeout_s)
+        ray.get([m.actor.start.remote(spec, self.store_host, self.store_port, timeout) for m, spec in zip(self.members, specs)])
+
+    def poll(self, timeout_s: float) -> list[RankStatus]:
+        """One round of polls; a rank whose actor is dead comes back with alive=False."""
+        for m in self.members:
+            if m.pending is None:
+                m.pending = m.actor.poll.remote()
+        ready, _ = ray.wait([m.pending for m in self.members], num_returns=len(self.members), timeout=timeout_s)
+        ready = set(ready)
+        out = []
+        for m in self.members:
+            if m.pending not in ready:
+                continue
+            ref, m.pending = m.pending, None
+            try:
+                out.append(RankStatus(m.rank, True, ray.get(ref)))
+            except RayActorError as exc:
+                out.append(RankStatus(m.rank, False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
+        return out
+
+    def stop_after(self, step: int) -> None:
+        ray.get([m.actor.stop_after.remote(step) for m in self.members])
+
+    def stacks(self, timeout_s: float = 5.0) -> dict[int, str]:
+        refs = {m.rank: m.actor.stacks.remote() for m in self.members}
+        out = {}
+        for rank, ref in refs.items():
+            try:
+                out[rank] = ray.get(ref, timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a rank that cannot answer is reported as such
+                out[rank] = f"<no stack: {type(exc).__name__}>"
+        return out
+
+    def node_of(self, rank: int) -> str | None:
+        return self.members[rank].node_id if rank < len(self.members) else None
+
+    def node_alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+    def shutdown(self) -> None:
+        """Kill every worker at once: survivors must not wait for a collective timeout."""
+        for m in self.members:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.members = []

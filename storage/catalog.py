@@ -1,0 +1,261 @@
+"""What is under a checkpoint URI: committed checkpoints, their verification, retention and clean-up.
+
+A step directory counts as a checkpoint only when its manifest exists and
+parses. `verify` walks the whole chain of trust (manifest, index, every data
+file and every piece) and raises a `CheckpointError` naming the first file that
+fails; `latest_valid` is what a restarting job uses: the newest checkpoint that
+verifies, falling back to older ones and saying why.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable
+
+from storage.format import (
+    INDEX,
+    MANIFEST,
+    CheckpointError,
+    Piece,
+    align_up,
+    check_coverage,
+    crc32,
+    decode_index,
+    decode_manifest,
+    parse_step_dir,
+    step_dir,
+)
+from storage.fs import Store
+
+_READ_BLOCK = 16 << 20
+
+
+def read_manifest(uri: str, step: int, *, storage_options: dict | None = None) -> dict:
+    """The manifest of a committed checkpoint; CheckpointError if it is missing or garbled."""
+    return _manifest(Store(uri, storage_options), step)
+
+
+def _manifest(store: Store, step: int) -> dict:
+    where = store.describe(step_dir(step))
+    try:
+        data = store.read(f"{step_dir(step)}/{MANIFEST}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}/{MANIFEST} is missing: step {step} is not a committed checkpoint") from None
+    return decode_manifest(data, step, where)
+
+
+def read_index(store: Store, step: int, manifest: dict) -> list[Piece]:
+    """The index of a committed checkpoint, checked against the manifest (size, CRC-32, every row's target)."""
+    where = store.describe(step_dir(step))
+    rel = f"{step_dir(step)}/{INDEX}"
+    try:
+        data = store.read(rel)
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}/{INDEX} is missing") from None
+    expected = manifest["index"]
+    if len(data) != expected["bytes"]:
+        raise CheckpointError(f"{where}/{INDEX} has {len(data)} bytes, the manifest says {expected['bytes']} (truncated?)")
+    if crc32(data) != expected["crc32"]:
+        raise CheckpointError(f"{where}/{INDEX} fails its checksum (corrupted)")
+    return decode_index(data, manifest["files"], where)
+
+
+def _steps(store: Store) -> list[int]:
+    """Step numbers of every step directory, committed or not, newest first."""
+    return sorted((s for s in map(parse_step_dir, store.list_dirs()) if s is not None), reverse=True)
+
+
+def _committed(store: Store, step: int) -> bool:
+    return store.exists(f"{step_dir(step)}/{MANIFEST}")
+
+
+def list_checkpoints(uri: str, *, storage_options: dict | None = None) -> list[dict]:
+    """Committed checkpoints, newest first: step, layout, bytes, files, tensors, created time, train_state.
+
+    A directory whose manifest is garbled is listed with an `error` instead,
+    so a broken checkpoint is visible rather than silently missing.
+    """
+    store = Store(uri, storage_options)
+    out = []
+    for step in _steps(store):
+        if not _committed(store, step):
+            continue
+        try:
+            m = _manifest(store, step)
+        except CheckpointError as exc:
+            out.append({"step": step, "uri": store.describe(step_dir(step)), "error": str(exc)})
+            continue
+        out.append(
+            {
+                "step": step,
+                "uri": store.describe(step_dir(step)),
+                "layout": m["layout"],
+                "bytes": m.get("bytes", sum(f["bytes"] for f in m["files"].values())),
+                "files": len(m["files"]),
+                "tensors": len(m.get("tensors", {})),
+                "created_unix": m.get("created_unix"),
+                "train_state": m["train_state"],
+            }
+        )
+    return out
+
+
+def verify(uri: str, step: int, *, storage_options: dict | None = None) -> dict:
+    """Check a whole checkpoint: manifest, index, every file's size and CRC-32, every piece's CRC-32.
+
+    Returns the manifest; raises CheckpointError naming the file and the problem.
+    """
+    store = Store(uri, storage_options)
+    manifest = _manifest(store, step)
+    pieces = read_index(store, step, manifest)
+    where = store.describe(step_dir(step))
+    check_coverage(pieces, f"{where}/{INDEX}")
+    by_file: dict[str, list[Piece]] = {rel: [] for rel in manifest["files"]}
+    for p in pieces:
+        by_file[p.file].append(p)
+    for rel, entry in manifest["files"].items():
+        _verify_file(store, f"{step_dir(step)}/{rel}", entry, sorted(by_file[rel], key=lambda p: p.byte_offset))
+    return manifest
+
+
+def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece]) -> None:
+    name = store.describe(rel)
+    try:
+        size = store.size(rel)
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing") from None
+    if size < entry["bytes"]:
+        raise CheckpointError(f"{name} is truncated: {size} bytes, the manifest says {entry['bytes']}")
+    if size > entry["bytes"]:
+        raise CheckpointError(f"{name} has {size} bytes, more than the {entry['bytes']} the manifest says")
+    pos = 0
+    for p in pieces:
+        if p.byte_offset != align_up(pos):
+            raise CheckpointError(f"{name}: index rows leave a gap or overlap at byte {pos} (row {p.key!r} starts at {p.byte_offset})")
+        pos = p.byte_offset + p.nbytes
+    if pos != entry["bytes"]:
+        raise CheckpointError(f"{name}: index rows cover {pos} of its {entry['bytes']} bytes")
+    file_crc, pos = 0, 0
+    with store.open_read(rel) as f:
+        for p in pieces:
+            pad = f.read(p.byte_offset - pos)
+            file_crc = crc32(pad, file_crc)
+            pos = p.byte_offset + p.nbytes
+            piece_crc, left = 0, p.nbytes
+            while left:
+                block = f.read(min(left, _READ_BLOCK))
+                if not block:
+                    raise CheckpointError(f"{name} is truncated: it ends inside piece {p.key!r} at byte {p.byte_offset}")
+                piece_crc, file_crc = crc32(block, piece_crc), crc32(block, file_crc)
+                left -= len(block)
+            if piece_crc != p.crc32:
+                raise CheckpointError(
+                    f"{name}: piece {p.key!r} at {list(p.offsets)} (bytes {p.byte_offset}..{p.byte_offset + p.nbytes}) "
+                    "fails its checksum (corrupted data)"
+                )
+    if file_crc != entry["crc32"]:
+        raise CheckpointError(f"{name} fails its file checksum (corrupted data)")
+
+
+def latest_valid(
+    uri: str, *, on_skip: Callable[[int, str], None] | None = None, storage_options: dict | None = None
+) -> int | None:
+    """The newest committed step that verifies, or None; `on_skip(step, reason)` hears of every newer one that did not."""
+    store = Store(uri, storage_options)
+    for step in _steps(store):
+        if not _committed(store, step):
+            continue
+        try:
+            verify(uri, step, storage_options=storage_options)
+        except CheckpointError as exc:
+            if on_skip is not None:
+                on_skip(step, str(exc))
+            continue
+        return step
+    return None
+
+
+def clean_incomplete(uri: str, *, below_step: int | None = None, storage_options: dict | None = None) -> list[int]:
+    """Delete step directories without a manifest (all of them, or those older than `below_step`); returns their steps.
+
+    Call it with no bound only when no save can be in flight (at job start);
+    `retain` bounds it by the newest commit.
+    """
+    store = Store(uri, storage_options)
+    removed = []
+    for step in _steps(store):
+        if (below_step is None or step < below_step) and not _committed(store, step):
+            store.remove_tree(step_dir(step))
+            removed.append(step)
+    return removed
+
+
+def retain(uri: str, keep: int, *, storage_options: dict | None = None) -> list[int]:
+    """Keep the newest `keep` committed checkpoints; delete older ones and incomplete directories older than the newest commit.
+
+    The manifest goes first, so a deletion cut short leaves an incomplete
+    directory (cleaned next time), never a committed checkpoint with missing files.
+    Returns the deleted steps.
+    """
+    if keep < 1:
+        raise ValueError("retain: keep must be at least 1")
+    store = Store(uri, storage_options)
+    committed = [s for s in _steps(store) if _committed(store, s)]
+    removed = []
+    for step in committed[keep:]:
+        store.remove(f"{step_dir(step)}/{MANIFEST}")
+        store.remove_tree(step_dir(step))
+        removed.append(step)
+    if committed:
+        removed += clean_incomplete(uri, below_step=committed[0], storage_options=storage_options)
+    return sorted(removed, reverse=True)
+
+
+def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
+    """Delete every checkpoint directory under `uri`, committed or not (a fresh start); other files stay."""
+    store = Store(uri, storage_options)
+    steps = _steps(store)
+    for step in steps:
+        store.remove(f"{step_dir(step)}/{MANIFEST}")
+        store.remove_tree(step_dir(step))
+    return steps
+
+
+def corrupt_newest(uri: str, *, seed: int = 0, storage_options: dict | None = None) -> str | None:
+    """Fault injection: flip one bit of a data file of the newest committed checkpoint, chosen by `seed`.
+
+    Returns the corrupted file and byte (`URI@BYTE`), or None when there is no
+    checkpoint. `verify` and `latest_valid` must then reject that checkpoint.
+    """
+    store = Store(uri, storage_options)
+    for step in _steps(store):
+        if not _committed(store, step):
+            continue
+        files = sorted((rel, e["bytes"]) for rel, e in _manifest(store, step)["files"].items() if e["bytes"])
+        if not files:
+            return None
+        rng = random.Random(seed)
+        rel, size = files[rng.randrange(len(files))]
+        at = rng.randrange(size)
+        path = f"{step_dir(step)}/{rel}"
+        data = bytearray(store.read(path))
+        data[at] ^= 1 << rng.randrange(8)
+        store.write(path, [data])
+        return f"{store.describe(path)}@{at}"
+    return None
+
+
+def check_writable(uri: str, *, storage_options: dict | None = None) -> None:
+    """Fail early, with a clear message, when checkpoints cannot be written under `uri`."""
+    try:
+        store = Store(uri, storage_options)
+        store.makedirs()
+        probe = f".write-probe-{uuid.uuid4().hex}"
+        store.write(probe, [b"ok"])
+        ok = store.read(probe) == b"ok"
+        store.remove(probe)
+    except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise CheckpointError(f"checkpoint URI {uri} is not writable: {type(exc).__name__}: {exc}") from None
+    if not ok:
+        raise CheckpointError(f"checkpoint URI {uri} is not writable: a probe file did not read back")

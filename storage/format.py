@@ -1,0 +1,216 @@
+"""The on-disk format: names, the Arrow index, the manifest, and their validation.
+
+    <root>/step_00000040/data/rank_00003.bin   raw bytes, pieces back to back
+    <root>/step_00000040/index.arrow            Arrow IPC, one row per piece
+    <root>/step_00000040/manifest.json          written last: the commit
+
+Trust flows from the manifest down: it records the size and CRC-32 of the
+index and of every data file; the index records each piece's key, dtype,
+global shape, global offsets and lengths, file, byte range and CRC-32. A
+reader checks each link before it follows it, so every problem is reported as
+a `CheckpointError` that names the file. Nothing here can execute code: JSON,
+Arrow IPC and raw little-endian bytes with a dtype from a fixed table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+FORMAT = "elastic-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+INDEX = "index.arrow"
+ALIGN = 64
+"""Pieces start at multiples of this many bytes in their data file (zero padding between), so a read buffer views any dtype aligned."""
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_DATA_FILE = re.compile(r"^data/rank_\d{5,}\.bin$")
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+INDEX_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("offsets", pa.list_(pa.int64())),
+        ("lengths", pa.list_(pa.int64())),
+        ("file", pa.string()),
+        ("byte_offset", pa.int64()),
+        ("nbytes", pa.int64()),
+        ("crc32", pa.uint32()),
+    ]
+)
+INDEX_COLUMNS = tuple(INDEX_SCHEMA.names)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file and the problem."""
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_file(rank: int) -> str:
+    return f"data/rank_{rank:05d}.bin"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored")
+    return name
+
+
+def align_up(pos: int) -> int:
+    return -(-pos // ALIGN) * ALIGN
+
+
+def crc32(buf, value: int = 0) -> int:
+    """CRC-32 (zlib; runs at several GB/s and releases the GIL on large buffers)."""
+    return zlib.crc32(buf, value)
+
+
+# -- index -----------------------------------------------------------------------
+def encode_index(rows: list[dict]) -> bytes:
+    """Rows (dicts with INDEX_COLUMNS) as an Arrow IPC file, sorted by key and offsets."""
+    rows = sorted(rows, key=lambda r: (r["key"], list(r["offsets"])))
+    table = pa.table({name: [r[name] for r in rows] for name in INDEX_COLUMNS}, schema=INDEX_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored piece, validated against the manifest."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    byte_offset: int
+    nbytes: int
+    crc32: int
+
+    @classmethod
+    def from_row(cls, row: dict) -> Piece:
+        return cls(**{k: tuple(row[k]) if k in ("shape", "offsets", "lengths") else row[k] for k in INDEX_COLUMNS})
+
+
+def decode_index(data: bytes, files: dict[str, dict], where: str) -> list[Piece]:
+    """Parse and check the index: every row must point inside a data file the manifest lists."""
+    try:
+        table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise CheckpointError(f"{where}: {INDEX} is not a readable Arrow file ({exc})") from None
+    if not table.schema.remove_metadata().equals(INDEX_SCHEMA):
+        raise CheckpointError(f"{where}: {INDEX} has the schema {table.schema}, expected {INDEX_SCHEMA}")
+    for name in INDEX_COLUMNS:
+        if table.column(name).null_count:
+            raise CheckpointError(f"{where}: {INDEX} has missing values in column {name!r}")
+    cols = {name: table.column(name).to_pylist() for name in INDEX_COLUMNS}
+    pieces = []
+    for i in range(table.num_rows):
+        p = Piece.from_row({name: cols[name][i] for name in INDEX_COLUMNS})
+        _check_piece(p, i, files, where)
+        pieces.append(p)
+    return pieces
+
+
+def _check_piece(p: Piece, i: int, files: dict[str, dict], where: str) -> None:
+    what = f"{where}/{INDEX}: row {i} ({p.key!r})"
+    if p.file not in files or not _DATA_FILE.match(p.file):
+        raise CheckpointError(f"{what} points to {p.file!r}, outside the checkpoint's data files")
+    if p.dtype not in DTYPES:
+        raise CheckpointError(f"{what} has unknown dtype {p.dtype!r}")
+    if not (len(p.shape) == len(p.offsets) == len(p.lengths)) or any(
+        o < 0 or n < 1 or o + n > s for o, n, s in zip(p.offsets, p.lengths, p.shape)
+    ):
+        raise CheckpointError(f"{what} has a box {p.offsets}+{p.lengths} outside its shape {p.shape}")
+    numel = 1
+    for n in p.lengths:
+        numel *= n
+    if p.nbytes != numel * DTYPES[p.dtype].itemsize:
+        raise CheckpointError(f"{what} has {p.nbytes} bytes for {numel} elements of {p.dtype}")
+    if p.byte_offset < 0 or p.byte_offset + p.nbytes > files[p.file]["bytes"]:
+        raise CheckpointError(
+            f"{what} points to bytes [{p.byte_offset}, {p.byte_offset + p.nbytes}) outside {p.file} "
+            f"({files[p.file]['bytes']} bytes)"
+        )
+
+
+def check_coverage(pieces, where: str) -> dict[str, dict]:
+    """Every tensor must be covered exactly by its pieces, with one dtype and shape; returns {key: {dtype, shape}}."""
+    tensors: dict[str, dict] = {}
+    covered: dict[str, int] = {}
+    for p in pieces:
+        meta = tensors.setdefault(p.key, {"dtype": p.dtype, "shape": list(p.shape)})
+        if meta != {"dtype": p.dtype, "shape": list(p.shape)}:
+            raise CheckpointError(f"{where}: pieces of {p.key!r} disagree on dtype/shape ({meta} vs {p.dtype} {list(p.shape)})")
+        n = 1
+        for length in p.lengths:
+            n *= length
+        covered[p.key] = covered.get(p.key, 0) + n
+    for key, meta in tensors.items():
+        total = 1
+        for s in meta["shape"]:
+            total *= s
+        if covered[key] != total:
+            raise CheckpointError(f"{where}: the pieces of {key!r} cover {covered[key]} of its {total} elements")
+    return tensors
+
+
+# -- manifest --------------------------------------------------------------------
+def encode_manifest(manifest: dict) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()
+
+
+def decode_manifest(data: bytes, step: int, where: str) -> dict:
+    """Parse and check a manifest; anything unexpected is a CheckpointError naming the file."""
+    what = f"{where}/{MANIFEST}"
+    try:
+        m = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{what} is garbled: {exc}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{what} is garbled: not an {FORMAT} manifest")
+    if m.get("version") != VERSION:
+        raise CheckpointError(f"{what} has format version {m.get('version')!r}; this reader knows {VERSION}")
+    if m.get("step") != step:
+        raise CheckpointError(f"{what} is garbled: it says step {m.get('step')!r}, its directory says {step}")
+    files, index = m.get("files"), m.get("index")
+    ok = isinstance(files, dict) and isinstance(index, dict) and _file_entry_ok(index)
+    ok = ok and all(isinstance(k, str) and _file_entry_ok(v) for k, v in files.items())
+    if not ok or not isinstance(m.get("train_state"), dict) or not isinstance(m.get("layout"), dict):
+        raise CheckpointError(f"{what} is garbled: missing or malformed files, index, layout or train_state")
+    return m
+
+
+def _file_entry_ok(entry) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and entry["bytes"] >= 0
+        and isinstance(entry.get("crc32"), int)
+    )

@@ -1,0 +1,207 @@
+"""Training state as flat, layout-independent named tensors, and what of it each rank writes.
+
+Names are the model's full parameter names (FSDP2, tensor parallel and
+pipeline stages all keep them), so the same key means the same global tensor
+at every layout: `model.<fqn>` for parameters, `optim.<fqn>.<state>` for the
+optimizer's per-parameter state (AdamW: `exp_avg`, `exp_avg_sq`, `step`).
+The dict holds the live tensors: saving reads them, loading fills them in
+place, so after a load the optimizer continues exactly where the saved one was.
+
+A rank writes only the pieces it is the chosen writer of. A piece held by
+several ranks (a `Replicate` mesh dimension, a root-mesh dimension the tensor's
+mesh does not span such as `tp` for an FSDP-only norm weight, or a plain tensor
+such as AdamW's `step`, which lives on every rank of its parameter's mesh) is
+written by one of its holders, picked by a hash of the key and the piece's
+shard coordinates, so different pieces land on different replicas. Every rank
+computes the choice from its own coordinates: no communication. Only the
+mesh dimension named `pp` is taken to split parameters rather than copy them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+from storage.boxes import Box, local_boxes, split_rows
+
+PIECE_BYTES = 16 << 20
+"""Stored pieces are cut along their first dimension to at most this size: a reshard reads at most this much extra per box edge."""
+
+
+def state_tensors(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """The live training state under layout-independent names.
+
+    Creates the optimizer's state where it has none yet (a step with zero
+    gradients at learning rate 0, which leaves the parameters as they are), so
+    the result also serves as the template that a load fills.
+    """
+    out: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for part in model_parts:
+        for fqn, param in part.named_parameters():
+            out[f"model.{fqn}"] = param
+            names[id(param)] = fqn
+    if optimizer is None:
+        return out
+    missing = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+    if missing:
+        _init_optimizer_state(optimizer, missing)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            fqn = names.get(id(param))
+            if fqn is None:
+                raise ValueError("the optimizer holds a parameter that is not in model_parts")
+            for name, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"optimizer state {fqn}.{name} is a {type(value).__name__}, not a tensor")
+                out[f"optim.{fqn}.{name}"] = value
+    return out
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer, missing: list[torch.Tensor]) -> None:
+    """Make the optimizer create the state of `missing`: one step at learning rate 0 where only they have (zero) gradients.
+
+    Parameters and the state of every other parameter stay untouched, and so
+    do the gradients accumulated so far. The new step counts go back to 0:
+    for Adam(W) the state is then exactly what a first real step would start from.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = None
+    for p in missing:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+        for p in missing:
+            if isinstance(optimizer.state[p].get("step"), torch.Tensor):
+                optimizer.state[p]["step"].zero_()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+@dataclass
+class LocalPart:
+    """What one rank stores of one global tensor: its pieces, each a box with its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[tuple[Box, torch.Tensor]]
+
+
+def local_view(local: torch.Tensor, box: Box) -> torch.Tensor:
+    """The part of a local tensor that a box (with its `local` offsets) covers."""
+    view = local
+    for dim, (start, length) in enumerate(zip(box.local, box.lengths)):
+        view = view.narrow(dim, start, length)
+    return view
+
+
+def tensor_boxes(t: torch.Tensor) -> tuple[torch.Tensor, list[Box]]:
+    """The local data of a tensor and the boxes of the global tensor it holds."""
+    if isinstance(t, DTensor):
+        mesh = t.device_mesh
+        coords = mesh.get_coordinate()
+        if coords is None:
+            return t.to_local(), []
+        return t.to_local(), local_boxes(tuple(t.shape), tuple(mesh.shape), coords, t.placements)
+    shape = tuple(t.shape)
+    return t, [Box((0,) * len(shape), shape, (0,) * len(shape))]
+
+
+def _copies_outside(mesh) -> tuple[int, int]:
+    """How many copies of `mesh` the root mesh holds along the dims `mesh` does not span, and which one this rank is in.
+
+    A tensor on a sub-mesh is the same on every rank that differs from this one
+    only along such a dim (a norm weight FSDP shards over `dp_shard` is held
+    alike by every `tp` rank) -- except along `pp`, whose ranks hold other
+    parameters altogether.
+    """
+    root = mesh._get_root_mesh()
+    if root is mesh:
+        return 1, 0
+    where = {int(r): c for c, r in numpy.ndenumerate(root.mesh.numpy())}
+    mine = [where[int(r)] for r in mesh.mesh.flatten().tolist()]
+    spanned = {d for d in range(root.ndim) if len({c[d] for c in mine}) > 1}
+    names = root.mesh_dim_names or ()
+    me = root.get_coordinate()
+    count, index = 1, 0
+    for d in range(root.ndim):
+        if d not in spanned and not (names and names[d] == "pp"):
+            count, index = count * root.shape[d], index * root.shape[d] + me[d]
+    return count, index
+
+
+def _replica_choice(key: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether this rank is the one writer among the ranks that hold the same pieces of `t`."""
+    if isinstance(t, DTensor):
+        mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
+        sharded = [isinstance(p, (Shard, _StridedShard)) for p in t.placements]
+    else:
+        anchor = tensors.get("model." + key.split(".", 1)[1].rsplit(".", 1)[0]) if key.startswith("optim.") else None
+        if not isinstance(anchor, DTensor):
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return zlib.crc32(key.encode()) % world == rank
+        # Optimizer scalars live wherever their parameter does: on every rank of its mesh.
+        mesh, coords = anchor.device_mesh, anchor.device_mesh.get_coordinate()
+        sharded = [False] * mesh.ndim
+    replicas, index = _copies_outside(mesh)
+    for d, is_shard in enumerate(sharded):
+        if not is_shard:
+            replicas, index = replicas * mesh.shape[d], index * mesh.shape[d] + coords[d]
+    shard_coords = [c for c, is_shard in zip(coords, sharded) if is_shard]
+    return zlib.crc32(f"{key}@{shard_coords}".encode()) % replicas == index
+
+
+def plan_writes(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
+    """The pieces this rank writes, as views of the live tensors (no copy)."""
+    out = {}
+    for key, t in tensors.items():
+        if isinstance(t, LocalPart):
+            out[key] = t
+            continue
+        local, boxes = tensor_boxes(t)
+        pieces = []
+        if boxes and _replica_choice(key, t, tensors):
+            for box in boxes:
+                pieces.extend((b, local_view(local, b)) for b in split_rows(box, t.element_size(), PIECE_BYTES))
+        out[key] = LocalPart(tuple(t.shape), t.dtype, pieces)
+    return out
+
+
+def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
+    """A CPU copy of what this rank will write (pinned when the data is on a GPU).
+
+    Training may change the live tensors as soon as this returns; a
+    `write_shards` of the snapshot can then run in a background thread.
+    """
+    plan = plan_writes(tensors)
+    on_gpu = False
+    for part in plan.values():
+        copies = []
+        for box, data in part.pieces:
+            data = data.detach()
+            if data.device.type == "cpu":
+                copies.append((box, data.clone(memory_format=torch.contiguous_format)))
+            else:
+                on_gpu = True
+                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                copies.append((box, buf.copy_(data, non_blocking=True)))
+        part.pieces = copies
+    if on_gpu:
+        torch.cuda.synchronize()
+    return plan

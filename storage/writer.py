@@ -1,0 +1,181 @@
+"""Saving: every rank writes its own data file, one coordinator commits.
+
+`write_shards` needs no communication: a rank writes its pieces back to back
+into `data/rank_NNNNN.bin`, fsyncs, and returns the index rows. The
+coordinator (the controller under Ray, rank 0 in a plain torch.distributed
+program via `gather_and_commit`) checks that the rows cover every tensor,
+writes the Arrow index, and then the manifest, atomically, last. Until the
+manifest exists the directory is not a checkpoint, so a crash at any point of
+a save leaves nothing that looks committed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+import torch
+import torch.distributed as dist
+
+from storage.format import (
+    ALIGN,
+    FORMAT,
+    INDEX,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    Piece,
+    align_up,
+    check_coverage,
+    crc32,
+    data_file,
+    dtype_name,
+    encode_index,
+    encode_manifest,
+    step_dir,
+)
+from storage.fs import Store
+from storage.state import plan_writes, snapshot
+
+
+def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> list[dict]:
+    """Write this rank's pieces of `tensors` (live tensors or a `snapshot`); returns JSON-able index rows.
+
+    Pieces stream into one file, each at a multiple of `ALIGN` bytes. Each row
+    has the index columns (key, dtype, shape, offsets, lengths, file,
+    byte_offset, nbytes, crc32) plus `file_bytes` and `file_crc32` of the whole
+    data file, which the commit moves into the manifest. A rank with nothing to
+    write returns no rows and creates no file.
+    """
+    plan = plan_writes(tensors)
+    if not any(part.pieces for part in plan.values()):
+        return []
+    rel = data_file(rank)
+    rows: list[dict] = []
+    offset = file_crc = 0
+
+    def buffers():
+        nonlocal offset, file_crc
+        for key, part in plan.items():
+            for box, data in part.pieces:
+                if offset % ALIGN:
+                    pad = bytes(align_up(offset) - offset)
+                    file_crc, offset = crc32(pad, file_crc), align_up(offset)
+                    yield pad
+                raw = data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+                rows.append(
+                    {
+                        "key": key, "dtype": dtype_name(part.dtype), "shape": list(part.shape),
+                        "offsets": list(box.offsets), "lengths": list(box.lengths), "file": rel,
+                        "byte_offset": offset, "nbytes": raw.nbytes, "crc32": crc32(raw),
+                    }
+                )
+                file_crc, offset = crc32(raw, file_crc), offset + raw.nbytes
+                yield raw
+
+    Store(uri, storage_options).write(f"{step_dir(step)}/{rel}", buffers())
+    for row in rows:
+        row["file_bytes"], row["file_crc32"] = offset, file_crc
+    return rows
+
+
+def commit(
+    uri: str, step: int, rows: list[dict], *, layout: dict, train_state: dict, storage_options: dict | None = None
+) -> dict:
+    """Write the index, then the manifest (the commit). `rows` are all ranks' `write_shards` rows; returns the manifest."""
+    store = Store(uri, storage_options)
+    where = store.describe(step_dir(step))
+    files: dict[str, dict] = {}
+    for row in rows:
+        entry = {"bytes": row["file_bytes"], "crc32": row["file_crc32"]}
+        if files.setdefault(row["file"], entry) != entry:
+            raise CheckpointError(f"{where}: rows disagree about {row['file']}")
+    pieces = [Piece.from_row(r) for r in rows]
+    tensors = check_coverage(pieces, where)
+    for rel, entry in files.items():
+        try:
+            size = store.size(f"{step_dir(step)}/{rel}")
+        except FileNotFoundError:
+            raise CheckpointError(f"{where}/{rel} is missing: a rank did not finish writing") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{where}/{rel} has {size} bytes, its rank reported {entry['bytes']}")
+    index = encode_index(rows)
+    store.write(f"{step_dir(step)}/{INDEX}", [index])
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "created_unix": time.time(),
+        "layout": dict(layout),
+        "train_state": train_state,
+        "index": {"file": INDEX, "bytes": len(index), "crc32": crc32(index), "rows": len(rows)},
+        "files": dict(sorted(files.items())),
+        "bytes": sum(e["bytes"] for e in files.values()),
+        "tensors": dict(sorted(tensors.items())),
+    }
+    store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest))
+    return manifest
+
+
+def gather_and_commit(
+    uri: str, step: int, rows: list[dict], *, layout: dict, train_state: dict, group=None, storage_options: dict | None = None
+) -> None:
+    """For a plain torch.distributed program: gather every rank's rows on rank 0 (as JSON bytes), commit there.
+
+    Called by every rank of `group`; returns once the commit succeeded, and
+    raises on every rank if it failed.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    payload = torch.frombuffer(bytearray(json.dumps(rows).encode()), dtype=torch.uint8).to(device)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == 0 else None
+    dist.gather(padded, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    status = torch.zeros(1, dtype=torch.int64, device=device)
+    error = None
+    if me == 0:
+        try:
+            all_rows = []
+            for buf, size in zip(gathered, sizes):
+                all_rows.extend(json.loads(bytes(buf[: int(size.item())].cpu().numpy())))
+            commit(uri, step, all_rows, layout=layout, train_state=train_state, storage_options=storage_options)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
+            error = exc
+            status.fill_(1)
+    dist.broadcast(status, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if error is not None:
+        raise error
+    if status.item():
+        raise CheckpointError(f"commit of step {step} to {uri} failed on the coordinating rank")
+
+
+class BackgroundWriter:
+    """Asynchronous saves for one rank: snapshot now, write in a background thread, at most one save in flight.
+
+    Training stalls only for the snapshot (and for a previous save that has
+    not finished yet); `submit` reports that stall.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._last: Future | None = None
+
+    def submit(self, uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> tuple[Future, float]:
+        """Start saving `tensors`; returns (a future of `write_shards`' rows, the training stall in seconds)."""
+        t0 = time.perf_counter()
+        if self._last is not None:
+            wait_futures([self._last])
+        snap = snapshot(tensors)
+        stall = time.perf_counter() - t0
+        self._last = self._pool.submit(write_shards, uri, step, rank, snap, storage_options=storage_options)
+        return self._last, stall
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the thread."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,183 @@
+"""`elastic report`: the table from a run directory, and PNG plots that are real images of a sensible size.
+
+The run directory is synthesised here in the controller's format: 4 workers,
+a node failure at step 36 detected 0.3 s later, a rollback to the checkpoint
+of step 30 (steps 30-35 run twice), and the job finishing on 2 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic.cli import main
+from elastic.commands.report import analyse, load_run
+
+T0 = 1_700_000_000.0
+STEP_S = 0.1
+LAYOUT4 = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+LAYOUT2 = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+NODE = "f3a1c2d4e5b6a7980112233445566778899aabbccddeeff001122334"
+
+
+def _loss(step: int) -> float:
+    return 4.2 * 0.98 ** step
+
+
+def make_run(run_dir: Path, steps: int = 60) -> Path:
+    """Write events.jsonl and report.json of a run with one node failure and a shrink from 4 to 2 workers."""
+    run_dir.mkdir(parents=True)
+    events: list[dict] = []
+    t = T0
+
+    def emit(event: str, dt: float = 0.0, **fields) -> None:
+        nonlocal t
+        t += dt
+        events.append({"t": t, "event": event, **fields})
+
+    def run_steps(first: int, last: int, generation: int, world: int) -> None:
+        for s in range(first, last):
+            emit("step", STEP_S, step=s, loss=_loss(s) + 0.01 * generation, generation=generation, world_size=world,
+                 step_s=STEP_S, grad_norm=1.0)
+            if (s + 1) % 10 == 0:
+                emit("checkpoint_committed", 0.05, step=s + 1, commit_s=0.05, generation=generation)
+
+    emit("job_start", config={"name": "synthetic"}, faults=[{"kind": "node", "rank": 3, "step": 36}])
+    emit("state", state="SCHEDULING", previous="SCHEDULING", generation=0)
+    emit("generation_start", 1.0, generation=1, world_size=4, layout=LAYOUT4, resume_step=None, available=4, reason="start")
+    emit("state", state="RUNNING", previous="SCHEDULING", generation=1)
+    run_steps(0, 36, 1, 4)
+    emit("fault_injected", fault_id="f0", kind="node", rank=3, step=36, node=NODE, t_fault=t)
+    emit("failure_detected", 0.3, kind="node", detected_as="dead", rank=3, node=NODE, culprit=3, step=36, fault_id="f0",
+         detect_s=0.3, recover_s=None, lost_steps=None, detail="actor died")
+    emit("state", state="RECOVERING", previous="RUNNING", generation=1)
+    emit("recovering", 0.2, resume_step=30, lost_steps=6, reason="shrink to the 2 workers left")
+    emit("generation_start", 1.5, generation=2, world_size=2, layout=LAYOUT2, resume_step=30, available=2, reason="shrink")
+    run_steps(30, 31, 2, 2)
+    emit("recovered", failure="node", recover_s=1.8, step=30)
+    run_steps(31, steps, 2, 2)
+    emit("state", state="FINISHED", previous="RUNNING", generation=2)
+    emit("job_end", 0.1, state="FINISHED")
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    wall = t - T0
+    report = {
+        "name": "synthetic", "state": "FINISHED", "reason": None, "steps_completed": steps, "steps_planned": steps,
+        "initial_loss": _loss(0) + 0.01, "final_loss": _loss(steps - 1) + 0.02,
+        "losses": [_loss(s) for s in range(steps)], "world_sizes": [4, 2], "layouts": [LAYOUT4, LAYOUT2], "generations": 2,
+        "failures": [{"kind": "node", "detected_as": "dead", "rank": 3, "node": NODE, "culprit": 3, "step": 36, "fault_id": "f0",
+                      "detect_s": 0.3, "recover_s": 1.8, "lost_steps": 6, "resume_step": 30}],
+        "failures_detected": 1, "faults_injected": 1,
+        "faults": [{"fault_id": "f0", "kind": "node", "rank": 3, "step": 36, "node": NODE, "t_fault": T0 + 5}],
+        "samples": {"expected": steps * 32, "seen_once": steps * 32, "duplicated": 0, "missing": 0},
+        "checkpoints_committed": list(range(10, steps + 1, 10)), "checkpoints_skipped": [], "last_committed_step": steps,
+        "wall_s": wall, "goodput": steps * STEP_S / wall,
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    return run_dir
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's signature and IHDR chunk; fails on anything that is not a PNG."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    assert head[12:16] == b"IHDR", f"{path.name} has no IHDR chunk first"
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return make_run(tmp_path / "runs" / "synthetic")
+
+
+def test_table_lists_steps_goodput_failures_and_world_sizes(run_dir: Path, capsys) -> None:
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "synthetic (FINISHED)" in lines[0]
+    assert any(line.split()[:4] == ["steps", "60", "/", "60"] for line in lines)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert f"{report['goodput']:.1%}" in out and f"{report['wall_s']:.1f} s" in out
+    assert "4 (dp_shard=4) -> 2 (dp_shard=2)" in out
+    header = next(i for i, line in enumerate(lines) if line.startswith("#") and "detect s" in line)
+    row = lines[header + 1].split()
+    assert row == ["1", "node", "dead", "3", NODE[:8], "3", "36", "0.300", "1.800", "6", "30"]
+    assert "1 detected, 1 faults injected" in out
+    assert "1920 expected: 1920 seen once, 0 duplicated, 0 missing" in out
+    assert not list(run_dir.glob("*.png"))
+
+
+def test_time_breakdown_is_derived_from_events(run_dir: Path) -> None:
+    report, events = load_run(run_dir)
+    tl = analyse(report, events)
+    parts = tl.breakdown
+    assert parts["training"] == pytest.approx(60 * STEP_S)
+    assert parts["checkpoint stall"] == pytest.approx(0.05 * (3 + 3))  # 10, 20, 30 before the failure; 40, 50, 60 after
+    assert parts["detection"] == pytest.approx(0.3)
+    assert parts["recovery"] == pytest.approx(1.8)
+    assert parts["lost work"] == pytest.approx(6 * STEP_S)
+    assert sum(parts.values()) == pytest.approx(report["wall_s"])
+    assert tl.kept_steps == list(range(60)) and sorted(s for s, _ in tl.rolled_back) == list(range(30, 36))
+    assert [(m.step, m.label) for m in tl.failures] == [(36, "node rank 3")]
+    assert [(m.step, m.label) for m in tl.resizes] == [(30, "4 -> 2 workers")]
+    assert [w for _, w in tl.world] == [0, 4, 0, 2]
+
+
+def test_plots_are_valid_pngs_of_a_sensible_size(run_dir: Path, capsys) -> None:
+    assert main(["report", str(run_dir)]) == 0
+    assert "plots:" in capsys.readouterr().out
+    for name in ("loss.png", "world_size.png", "time_breakdown.png"):
+        width, height = png_size(run_dir / name)
+        assert width >= 400 and height >= 300, (name, width, height)
+        assert (run_dir / name).stat().st_size > 5_000, f"{name} looks empty"
+
+
+def test_rich_table_on_a_terminal(run_dir: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    for text in ("run synthetic", "failures", "time breakdown", "lost work", "dead", "0.300"):
+        assert text in out
+
+
+def test_a_run_without_failures(tmp_path: Path, capsys) -> None:
+    run_dir = make_run(tmp_path / "clean", steps=30)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kept = [e for e in events if e["event"] not in ("fault_injected", "failure_detected", "recovering", "recovered")]
+    kept = [e for e in kept if not (e["event"] == "generation_start" and e["generation"] == 2)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in kept))
+    report = json.loads((run_dir / "report.json").read_text())
+    report.update(failures=[], failures_detected=0, faults_injected=0, world_sizes=[4], layouts=[LAYOUT4], generations=1)
+    (run_dir / "report.json").write_text(json.dumps(report))
+    assert main(["report", str(run_dir)]) == 0
+    assert "failures:\nnone" in capsys.readouterr().out
+    assert png_size(run_dir / "loss.png")[0] >= 400
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d.rename(d.with_name("elsewhere")), "no such run directory"),
+    (lambda d: (d / "report.json").unlink(), "no report.json (the run is still going, or its driver was killed)"),
+    (lambda d: (d / "report.json").write_text("{not json"), "invalid JSON (line 1)"),
+    (lambda d: (d / "report.json").write_text('{"name": "x"}'), "not a run report, missing state"),
+    (lambda d: (d / "events.jsonl").unlink(), "no events.jsonl"),
+])
+def test_bad_run_dir_is_a_one_line_usage_error(run_dir: Path, capsys, damage, message) -> None:
+    damage(run_dir)
+    assert main(["report", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_event_line_is_named_but_a_cut_off_last_line_is_tolerated(run_dir: Path, capsys) -> None:
+    path = run_dir / "events.jsonl"
+    good = path.read_text()
+    path.write_text(good + '{"t": 1, "event": "st')  # the driver died mid-write
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    path.write_text("garbage\n" + good)
+    assert main(["report", str(run_dir), "--no-plots"]) == 2
+    assert "events.jsonl: line 1 is not JSON" in capsys.readouterr().err
+

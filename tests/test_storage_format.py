@@ -1,0 +1,421 @@
+"""The checkpoint format without process groups: box arithmetic, the index, integrity, atomicity, no pickle."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+import storage
+from storage.boxes import PieceIndex, chunk_bounds, intersect, local_boxes, split_rows
+from storage.format import INDEX, MANIFEST, data_file, step_dir
+from storage.state import local_view
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- box arithmetic ------------------------------------------------------------------
+def _torch_local(full: torch.Tensor, mesh_shape, coords, placements) -> torch.Tensor:
+    """What torch's own placement code gives a mesh coordinate (left to right over mesh dims)."""
+    local = full
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            local = p._split_tensor(local, mesh_shape[mesh_dim], with_padding=False)[0][coords[mesh_dim]]
+    return local
+
+
+CASES = [
+    ((8, 6), (2, 2), [Shard(0), Shard(0)]),
+    ((8, 6), (2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # FSDP over TP (colwise)
+    ((6, 10), (2, 2), [Shard(0), Shard(1)]),  # FSDP over TP (rowwise)
+    ((7, 5), (3, 2), [_StridedShard(0, split_factor=2), Shard(0)]),  # uneven strided
+    ((5, 3), (3,), [Shard(0)]),  # uneven
+    ((2, 3), (3,), [Shard(0)]),  # one rank holds nothing
+    ((9,), (2, 3), [Replicate(), Shard(0)]),  # HSDP
+    ((12, 4), (2, 3), [_StridedShard(0, split_factor=3), Shard(0)]),
+    ((10, 4), (2, 2, 2), [Replicate(), _StridedShard(0, split_factor=2), Shard(0)]),
+]
+
+
+@pytest.mark.parametrize("shape,mesh_shape,placements", CASES)
+def test_local_boxes_match_torch_placements(shape, mesh_shape, placements):
+    full = torch.arange(torch.Size(shape).numel()).view(shape)
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for coords in itertools.product(*(range(n) for n in mesh_shape)):
+        expected = _torch_local(full, mesh_shape, coords, placements)
+        boxes = local_boxes(shape, mesh_shape, coords, placements)
+        assert sum(b.numel for b in boxes) == expected.numel()
+        rebuilt = torch.empty_like(expected)
+        for b in boxes:
+            g = full[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))]
+            local_view(rebuilt, b).copy_(g)
+            if not any(isinstance(p, Replicate) and c for p, c in zip(placements, coords)):
+                seen[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))] += 1
+        assert torch.equal(rebuilt, expected), coords
+    assert bool((seen == 1).all()), "the replica-0 shards must tile the tensor exactly once"
+
+
+def test_chunk_bounds_follow_torch_chunk():
+    for size, chunks in itertools.product(range(12), range(1, 6)):
+        pieces = list(torch.arange(size).chunk(chunks)) if size else []
+        for i in range(chunks):
+            a, b = chunk_bounds(size, chunks, i)
+            expected = pieces[i].tolist() if i < len(pieces) else []
+            assert list(range(a, b)) == expected
+
+
+def test_split_rows_and_intersect():
+    from storage.boxes import Box
+
+    box = Box((4, 0), (10, 3), (0, 0))
+    parts = split_rows(box, itemsize=4, max_bytes=40)
+    assert [p.lengths[0] for p in parts] == [3, 3, 3, 1]
+    assert [p.offsets[0] for p in parts] == [4, 7, 10, 13] and [p.local[0] for p in parts] == [0, 3, 6, 9]
+    assert intersect((0, 0), (4, 4), (2, 3), (5, 5)) == ((2, 3), (2, 1))
+    assert intersect((0,), (4,), (4,), (2,)) is None
+
+
+def test_piece_index_finds_exactly_the_overlaps():
+    # A 2-D grid of stored pieces (3 x 4 blocks of a 12 x 16 tensor) queried with boxes of another grid.
+    pieces = [((r, c), (4, 4), (r, c)) for r in range(0, 12, 4) for c in range(0, 16, 4)]
+    index = PieceIndex(pieces)
+    for qr, qc in itertools.product(range(0, 12, 3), range(0, 16, 5)):
+        q_off, q_len = (qr, qc), (3, min(5, 16 - qc))
+        got = sorted(p for p, _, _ in index.overlapping(q_off, q_len))
+        brute = sorted(p[2] for p in pieces if intersect(q_off, q_len, p[0], p[1]))
+        assert got == brute
+    scalar = PieceIndex([((), (), "s")])
+    assert [p for p, _, _ in scalar.overlapping((), ())] == ["s"]
+
+
+# -- one-process checkpoints -------------------------------------------------------------
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.w": torch.randn(5, 7, generator=g),
+        "model.b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "optim.w.step": torch.tensor(3.0),
+        "model.ids": torch.arange(11, dtype=torch.int64),
+    }
+
+
+def _save(uri: str, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A two-file checkpoint written as two 'ranks' with disjoint keys."""
+    state = _state(seed)
+    keys = sorted(state)
+    rows = storage.write_shards(uri, step, 0, {k: state[k] for k in keys[:2]})
+    rows += storage.write_shards(uri, step, 1, {k: state[k] for k in keys[2:]})
+    storage.commit(uri, step, rows, layout={"dp_shard": 2}, train_state={"step": step, "seeds": [seed]})
+    return state
+
+
+def _empty_like(state):
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("scheme", ["", "file://", "memory://"])
+def test_round_trip_and_listing(tmp_path, scheme):
+    uri = f"memory://{tmp_path.name}/ck" if scheme == "memory://" else f"{scheme}{tmp_path}/ck"
+    storage.check_writable(uri)
+    _save(uri, 10, seed=1)
+    state = _save(uri, 20, seed=2)
+    template = _empty_like(state)
+    manifest = storage.load_shards(uri, 20, template)
+    assert manifest["train_state"] == {"step": 20, "seeds": [2]}
+    assert all(torch.equal(template[k], state[k]) and template[k].dtype == state[k].dtype for k in state)
+    listed = storage.list_checkpoints(uri)
+    assert [c["step"] for c in listed] == [20, 10] and listed[0]["layout"] == {"dp_shard": 2} and listed[0]["files"] == 2
+    assert storage.latest_valid(uri) == 20
+
+
+def test_load_rejects_wrong_shape_and_missing_key(tmp_path):
+    uri = str(tmp_path)
+    state = _save(uri, 1)
+    with pytest.raises(storage.CheckpointError, match="model.w"):
+        storage.load_shards(uri, 1, {"model.w": torch.zeros(5, 8)})
+    with pytest.raises(storage.CheckpointError, match="no tensor 'model.nope'"):
+        storage.load_shards(uri, 1, {"model.nope": torch.zeros_like(state["model.w"])})
+
+
+def _data(tmp_path, step=1, rank=0) -> Path:
+    return tmp_path / step_dir(step) / data_file(rank)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_bit_is_named(tmp_path):
+    state = _save(str(tmp_path), 1)
+    _flip(_data(tmp_path), 3)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin.*checksum"):
+        storage.verify(str(tmp_path), 1)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin.*checksum"):
+        storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def test_truncated_file_is_named(tmp_path):
+    state = _save(str(tmp_path), 1)
+    path = _data(tmp_path, rank=1)
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(storage.CheckpointError, match=r"rank_00001\.bin is truncated"):
+        storage.verify(str(tmp_path), 1)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00001\.bin is truncated"):
+        storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def test_missing_data_file_is_named(tmp_path):
+    state = _save(str(tmp_path), 1)
+    _data(tmp_path, rank=1).unlink()
+    with pytest.raises(storage.CheckpointError, match=r"rank_00001\.bin is missing"):
+        storage.verify(str(tmp_path), 1)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00001\.bin is missing"):
+        storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def test_missing_or_garbled_manifest(tmp_path):
+    _save(str(tmp_path), 1)
+    _save(str(tmp_path), 2)
+    manifest = tmp_path / step_dir(2) / MANIFEST
+    manifest.write_text('{"format": "elastic-checkpoint", "version": 1, "step": 2, "files": ')
+    with pytest.raises(storage.CheckpointError, match=r"step_00000002/manifest\.json is garbled"):
+        storage.verify(str(tmp_path), 2)
+    assert "garbled" in storage.list_checkpoints(str(tmp_path))[0]["error"]
+    manifest.unlink()
+    with pytest.raises(storage.CheckpointError, match=r"manifest\.json is missing"):
+        storage.read_manifest(str(tmp_path), 2)
+    assert [c["step"] for c in storage.list_checkpoints(str(tmp_path))] == [1]
+
+
+def _rewrite_index(tmp_path, step: int, mutate) -> None:
+    """Replace the index with mutated rows and re-seal it in the manifest, as a buggy or malicious writer might."""
+    import pyarrow as pa
+
+    from storage.format import crc32, encode_index
+
+    d = tmp_path / step_dir(step)
+    rows = pa.ipc.open_file(pa.py_buffer((d / INDEX).read_bytes())).read_all().to_pylist()
+    mutate(rows)
+    data = encode_index(rows)
+    (d / INDEX).write_bytes(data)
+    m = json.loads((d / MANIFEST).read_text())
+    m["index"].update(bytes=len(data), crc32=crc32(data))
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda rows: rows[0].update(byte_offset=10_000), r"outside data/rank_0000\d\.bin"),
+        (lambda rows: rows[0].update(file="../../../etc/passwd"), r"'\.\./\.\./\.\./etc/passwd', outside the checkpoint"),
+        (lambda rows: rows[0].update(file="data/rank_00007.bin"), r"'data/rank_00007\.bin', outside the checkpoint"),
+        (lambda rows: rows[0].update(offsets=[4, 0], lengths=[5, 7]), r"outside its shape"),
+        (lambda rows: rows[0].update(byte_offset=None), r"missing values in column 'byte_offset'"),
+    ],
+)
+def test_index_row_pointing_outside(tmp_path, mutate, match):
+    state = _save(str(tmp_path), 1)
+    _rewrite_index(tmp_path, 1, mutate)
+    with pytest.raises(storage.CheckpointError, match=match):
+        storage.verify(str(tmp_path), 1)
+    with pytest.raises(storage.CheckpointError, match=match):
+        storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def test_corrupt_index_is_named(tmp_path):
+    _save(str(tmp_path), 1)
+    _flip(tmp_path / step_dir(1) / INDEX, 40)
+    with pytest.raises(storage.CheckpointError, match=r"index\.arrow fails its checksum"):
+        storage.verify(str(tmp_path), 1)
+
+
+def test_fallback_to_previous_good_checkpoint(tmp_path):
+    for step in (1, 2, 3):
+        _save(str(tmp_path), step, seed=step)
+    _flip(_data(tmp_path, step=3), 0)
+    (tmp_path / step_dir(2) / INDEX).unlink()
+    skipped = []
+    assert storage.latest_valid(str(tmp_path), on_skip=lambda s, why: skipped.append((s, why))) == 1
+    assert [s for s, _ in skipped] == [3, 2]
+    assert "checksum" in skipped[0][1] and "index.arrow is missing" in skipped[1][1]
+
+
+def test_retention_and_incomplete_dirs(tmp_path):
+    uri = str(tmp_path)
+    for step in (1, 2, 3, 4):
+        _save(uri, step)
+    storage.write_shards(uri, 0, 0, _state())  # an old save that never committed
+    storage.write_shards(uri, 5, 0, _state())  # a save in flight
+    assert storage.retain(uri, 2) == [2, 1, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(3), step_dir(4), step_dir(5)]
+    assert [c["step"] for c in storage.list_checkpoints(uri)] == [4, 3]
+    assert storage.clean_incomplete(uri) == [5]
+    assert storage.latest_valid(uri) == 4
+
+
+def test_unwritable_uri_fails_early(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(storage.CheckpointError, match="is not writable"):
+        storage.check_writable(str(tmp_path / "file" / "ckpt"))
+
+
+_KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    import storage
+    from storage import fs as sfs, writer
+
+    uri, point = sys.argv[1], sys.argv[2]
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    state = {"model.w": torch.arange(4096.0).view(64, 64), "model.b": torch.ones(3)}
+    rows = storage.write_shards(uri, 1, 0, state)
+    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1})
+
+    write, write_atomic, replace = sfs.Store.write, sfs.Store.write_atomic, os.replace
+    def partial_write(self, rel, buffers, durable=True):
+        if rel.endswith(".bin"):
+            first = bytes(memoryview(next(iter(buffers))).cast("B"))
+            write(self, rel, [first[: len(first) // 2]], durable=durable)
+            die()
+        return write(self, rel, buffers, durable=durable)
+    if point == "data":
+        sfs.Store.write = partial_write
+    elif point == "before_index":
+        writer.encode_index = lambda rows: die()
+    elif point == "before_manifest":
+        sfs.Store.write_atomic = lambda self, rel, data: die()
+    elif point == "manifest_rename":
+        sfs.os.replace = lambda a, b: die()
+    rows = storage.write_shards(uri, 2, 0, {k: v + 1 for k, v in state.items()})
+    storage.commit(uri, 2, rows, layout={}, train_state={"step": 2})
+    """
+)
+
+
+def test_kill_during_save_never_commits(tmp_path):
+    points = ["data", "before_index", "before_manifest", "manifest_rename"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = {
+        p: subprocess.Popen([sys.executable, "-c", _KILLER, str(tmp_path / p), p], env=env, stderr=subprocess.PIPE)
+        for p in points
+    }
+    for point, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (point, err.decode())
+        uri = str(tmp_path / point)
+        assert (tmp_path / point / step_dir(2)).is_dir()
+        assert [c["step"] for c in storage.list_checkpoints(uri)] == [1], point
+        assert storage.latest_valid(uri) == 1
+        with pytest.raises(storage.CheckpointError, match="not a committed checkpoint"):
+            storage.read_manifest(uri, 2)
+        assert storage.clean_incomplete(uri) == [2]
+        assert not (tmp_path / point / step_dir(2)).exists()
+
+
+class _Payload:
+    """Unpickling this creates a marker file: proof that something unpickled it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_planted_pickle_is_never_unpickled(tmp_path):
+    uri = str(tmp_path / "ck")
+    state = _save(uri, 1)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Payload(marker))
+    d = tmp_path / "ck" / step_dir(1)
+    (d / "data" / "extra.pkl").write_bytes(payload)
+    (d / "data.pkl").write_bytes(payload)
+    storage.verify(uri, 1)
+    storage.load_shards(uri, 1, _empty_like(state))
+    # The payload in place of the index, sealed in the manifest so that only parsing can stop it.
+    (d / INDEX).write_bytes(payload)
+    m = json.loads((d / MANIFEST).read_text())
+    from storage.format import crc32
+
+    m["index"].update(bytes=len(payload), crc32=crc32(payload))
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(storage.CheckpointError, match="not a readable Arrow file"):
+        storage.load_shards(uri, 1, _empty_like(state))
+    # ... and in place of a data file and of the manifest.
+    (d / data_file(0)).write_bytes(payload)
+    with pytest.raises(storage.CheckpointError):
+        storage.verify(uri, 1)
+    (d / MANIFEST).write_bytes(payload)
+    with pytest.raises(storage.CheckpointError, match="garbled"):
+        storage.verify(uri, 1)
+    assert not marker.exists()
+    for source in (ROOT / "storage").glob("*.py"):
+        text = source.read_text()
+        assert "import pickle" not in text and "torch.load" not in text and "torch.save" not in text, source
+
+
+def test_corrupt_newest_and_remove_all(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 1)
+    _save(uri, 2)
+    target = storage.corrupt_newest(uri, seed=3)
+    assert target.startswith(f"{tmp_path}/{step_dir(2)}/data/rank_0000")
+    skipped = []
+    assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append(s)) == 1 and skipped == [2]
+    (tmp_path / "notes.txt").write_text("kept")
+    assert storage.remove_all(uri) == [2, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert storage.corrupt_newest(uri) is None
+
+
+def test_background_writer_saves_the_snapshot(tmp_path):
+    uri = str(tmp_path)
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items()}
+    writer = storage.BackgroundWriter()
+    futures = []
+    for step in (1, 2):
+        future, stall = writer.submit(uri, step, 0, state)
+        assert stall >= 0
+        for v in state.values():  # training goes on and changes the live tensors
+            v.add_(1)
+        futures.append(future)
+    writer.close()
+    for step, future in zip((1, 2), futures):
+        storage.commit(uri, step, future.result(), layout={}, train_state={"step": step})
+    template = _empty_like(state)
+    storage.load_shards(uri, 1, template)
+    assert all(torch.equal(template[k], expected[k]) for k in expected)
+    storage.load_shards(uri, 2, template)
+    assert all(torch.equal(template[k], expected[k] + 1) for k in expected)
+
+
+def test_state_tensors_creates_fresh_optimizer_state():
+    def run(save_first: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if save_first:
+            state = storage.state_tensors([model], opt)
+            assert {k for k in state if k.startswith("optim.weight")} == {"optim.weight.exp_avg", "optim.weight.exp_avg_sq", "optim.weight.step"}
+            assert state["optim.weight.step"].item() == 0 and not state["optim.weight.exp_avg"].any()
+        for _ in range(2):
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model.weight.detach().clone()
+
+    assert torch.equal(run(True), run(False))
