@@ -110,7 +110,7 @@ class TrainingConfig(_Section):
 class CheckpointConfig(_Section):
     """Where and how often checkpoints are written."""
 
-    uri: str = Field("runs/checkpoints", description="Directory or fsspec URI (file://, memory://, s3://) of the checkpoints.")
+    uri: str = Field("", description="Directory or fsspec URI (file://, memory://, s3://) of the checkpoints; empty means <run_root>/<name>/checkpoints.")
     every_steps: int = Field(20, ge=1, description="Save after every this many steps.")
     keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
     async_save: bool = Field(False, description="Write in the background while training continues.")
@@ -118,8 +118,6 @@ class CheckpointConfig(_Section):
 
     @model_validator(mode="after")
     def _uri_safe(self) -> "CheckpointConfig":
-        if not self.uri.strip():
-            raise ValueError("checkpoint.uri must not be empty")
         if ".." in Path(re.sub(r"^[a-z0-9]+://", "", self.uri)).parts:
             raise ValueError(f"checkpoint.uri {self.uri!r} must not contain '..'")
         return self
@@ -135,7 +133,18 @@ class FaultConfig(_Section):
     hang_floor_s: float = Field(5.0, gt=0, description="The calibrated deadline is never below this.")
     startup_timeout_s: float = Field(120.0, gt=0, description="Budget for start-up and the first step.")
     checkpoint_timeout_s: float = Field(120.0, gt=0, description="Budget for one checkpoint save.")
+    grad_spike_factor: float = Field(
+        10.0, ge=0, description="Warn (a `warning` event) when the global grad norm exceeds this many times its recent median; 0 disables."
+    )
+    grad_spike_window: int = Field(20, ge=1, description="Recent steps whose median grad norm the spike rule compares against.")
+    grad_spike_warmup: int = Field(10, ge=1, description="Steps observed before the spike rule judges any.")
     inject: list[str] = Field(default_factory=list, description="Fault injection specs, as --inject takes them.")
+
+    @model_validator(mode="after")
+    def _spike_factor(self) -> "FaultConfig":
+        if 0 < self.grad_spike_factor <= 1:
+            raise ValueError(f"fault.grad_spike_factor ({self.grad_spike_factor}) must be 0 (off) or above 1")
+        return self
 
 
 class JobConfig(_Section):
@@ -174,6 +183,11 @@ class JobConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
+
+    @property
+    def checkpoint_uri(self) -> str:
+        """Where this job's checkpoints live (the run directory's `checkpoints/` unless configured)."""
+        return self.checkpoint.uri or str(self.run_dir / "checkpoints")
 
 
 def _format_error(err: ValidationError) -> str:

@@ -53,7 +53,7 @@ class _StepTally:
     loss_sum: float = 0.0
     reporters: int = 0
     samples: list[int] = field(default_factory=list)
-    t_start: float = 0.0
+    duration: float = 0.0  # the slowest rank's time for the step, measured on the workers
 
 
 class Controller:
@@ -89,7 +89,6 @@ class Controller:
         self.resume_step: int | None = None
         self.last_committed: int | None = None
         self.completed_step = -1  # last step every data slice reported in this generation
-        self.last_step_done_at: float | None = None
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
@@ -102,6 +101,7 @@ class Controller:
         self.max_seen_step = -1
         self.resize_target: int | None = None
         self.next_grow_check = 0.0
+        self.node_returns: list[float] = []  # when removed nodes come back (node faults with back=)
         self.failed_reason: str | None = None
         self.started_at = clock()
 
@@ -112,6 +112,7 @@ class Controller:
         return self.state
 
     def step(self) -> State:
+        self._return_nodes()
         handler = {
             State.SCHEDULING: self._schedule,
             State.RUNNING: self._run_once,
@@ -165,7 +166,6 @@ class Controller:
         self.pending_rows.clear()
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
-        self.last_step_done_at = None
         self.watchdog.reset(self.clock())
         self._transition(State.RUNNING, world_size=self.layout.world_size)
 
@@ -228,7 +228,8 @@ class Controller:
 
     def _on_step_record(self, rec: dict, now: float) -> None:
         step = rec["step"]
-        tally = self.tallies.setdefault(step, _StepTally(t_start=rec["t_start"]))
+        tally = self.tallies.setdefault(step, _StepTally())
+        tally.duration = max(tally.duration, rec["t_end"] - rec["t_start"])
         if "loss_sum" not in rec:
             return
         tally.loss_sum += rec["loss_sum"]
@@ -242,8 +243,7 @@ class Controller:
         self.losses[step] = loss
         self.step_times[step] = now
         self.ledger.record(step, tally.samples)
-        duration = now - (self.last_step_done_at or tally.t_start)
-        self.last_step_done_at = now
+        duration = tally.duration
         self.completed_step = step
         self.watchdog.observe_step(duration, now)
         self.events.emit("step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, grad_norm=rec["grad_norm"])
@@ -278,7 +278,7 @@ class Controller:
         self.watchdog.touch(self.clock())
         self.events.emit(
             "checkpoint_committed", step=step, commit_s=self.clock() - t0, save_s=save_s,
-            stall_s=max(stalls) if stalls else save_s, generation=self.generation,
+            stall_s=max(stalls) if stalls else save_s, generation=self.generation, bytes=sum(row["nbytes"] for row in all_rows),
         )
 
     # -- RESIZING (planned, loses nothing) -------------------------------------------------
@@ -318,11 +318,19 @@ class Controller:
             if fault.kind == "node":
                 fired_at = self.clock()
                 self.cluster.remove_node(node)
+                if fault.back_s > 0:
+                    self.node_returns.append(fired_at + fault.back_s)
             self.fired[fault.id] = fired_at
             self.events.emit("fault_injected", fault_id=fault.id, kind=fault.kind, rank=fault.rank, step=fault.step, node=node, t_fault=fired_at, where=fault.where)
         for fault in self.faults:
             if fault.kind == "corrupt" and fault.id not in self.fired and self.completed_step >= fault.step:
                 self.fired[fault.id] = -1.0  # armed: carried out before the next restore
+
+    def _return_nodes(self) -> None:
+        now = self.clock()
+        for due in [t for t in self.node_returns if t <= now]:
+            self.node_returns.remove(due)
+            self.events.emit("node_added", node=self.cluster.add_node())
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
@@ -378,6 +386,7 @@ class Controller:
             "detail": failure.detail[-2000:],
         }
         self.failures.append(record)
+        self.resize_target = None  # a planned resize in progress is overtaken by the recovery
         self.events.emit("failure_detected", **{k: v for k, v in record.items() if k != "detail"}, detail=failure.detail[-500:])
         self.pending_failure = failure
         self._transition(State.RECOVERING, failure=failure.kind)

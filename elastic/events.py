@@ -12,19 +12,19 @@ from pathlib import Path
 
 
 class EventLog:
-    def __init__(self, path: Path, echo=None):
+    def __init__(self, path: Path, sinks=()):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = path.open("a", buffering=1)
-        self._echo = echo
+        self.sinks = list(sinks)  # callables fed every event: progress line, metrics, alert rules
         self.events: list[dict] = []
 
     def emit(self, event: str, **fields) -> dict:
         record = {"t": fields.pop("t", time.time()), "event": event, **fields}
         self.events.append(record)
         self._file.write(json.dumps(record, default=str) + "\n")
-        if self._echo:
-            self._echo(record)
+        for sink in self.sinks:
+            sink(record)
         return record
 
     def of(self, event: str) -> list[dict]:

@@ -2,11 +2,13 @@
 
 Kinds:
 - `kill:rank=R,step=S`     the worker SIGKILLs its own process at the start of step S
-- `node:rank=R,step=S`     the controller removes the Ray node that hosts rank R when it reaches step S
+- `node:rank=R,step=S[,back=T]`  the controller removes the Ray node that hosts rank R when it reaches
+                           step S; with back=T a fresh node joins T seconds later (a spot node returning)
 - `hang:rank=R,step=S[,where=data|collective]`  the rank blocks in its data loader or in a collective the others never join
 - `kill_during_save:rank=R,step=S`  the rank SIGKILLs itself while writing the checkpoint of step S
 - `corrupt:step=S`         after step S, the newest committed checkpoint gets flipped bytes before the next restore
-`random:count=N,seed=K,kinds=kill+node+...` expands into N seeded faults at random ranks and steps.
+`random:count=N,seed=K,steps=A-B,ranks=R[,kinds=kill+node+...][,back=T]` expands into N seeded faults
+at random ranks and steps, cycling through the kinds; its node faults come back after T (3) seconds.
 
 A fault fires once: it belongs to the first generation that reaches its step.
 """
@@ -30,6 +32,7 @@ class Fault:
     step: int
     rank: int = 0
     where: str = "data"
+    back_s: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -48,23 +51,26 @@ def _parse_one(spec: str, next_id: int) -> list[Fault]:
         return _random_faults(params, spec, next_id)
     if kind not in KINDS:
         raise FaultSpecError(f"--inject {spec!r}: unknown kind {kind!r} (one of {', '.join(KINDS)}, random)")
-    allowed = {"rank", "step", "where"}
+    allowed = {"rank", "step", "where", "back"}
     unknown = set(params) - allowed
     if unknown:
         raise FaultSpecError(f"--inject {spec!r}: unknown key(s) {', '.join(sorted(unknown))}")
     try:
         step = int(params["step"])
         rank = int(params.get("rank", 0))
+        back_s = float(params.get("back", 0))
     except KeyError:
         raise FaultSpecError(f"--inject {spec!r}: step= is required") from None
     except ValueError:
-        raise FaultSpecError(f"--inject {spec!r}: rank and step must be integers") from None
+        raise FaultSpecError(f"--inject {spec!r}: rank and step must be integers, back a number of seconds") from None
     where = params.get("where", "data")
     if where not in ("data", "collective"):
         raise FaultSpecError(f"--inject {spec!r}: where must be data or collective")
     if step < 0 or rank < 0:
         raise FaultSpecError(f"--inject {spec!r}: rank and step must be >= 0")
-    return [Fault(id=next_id, kind=kind, step=step, rank=rank, where=where)]
+    if back_s and kind != "node":
+        raise FaultSpecError(f"--inject {spec!r}: back= applies to node faults only")
+    return [Fault(id=next_id, kind=kind, step=step, rank=rank, where=where, back_s=back_s)]
 
 
 def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Fault]:
@@ -73,8 +79,9 @@ def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Faul
         seed = int(params.get("seed", 0))
         lo, hi = (int(v) for v in params.get("steps", "5-100").split("-"))
         ranks = int(params.get("ranks", 4))
+        back_s = float(params.get("back", 3.0))  # random node faults come back, so the job can grow again
     except ValueError:
-        raise FaultSpecError(f"--inject {spec!r}: count, seed, ranks must be integers and steps A-B") from None
+        raise FaultSpecError(f"--inject {spec!r}: count, seed, ranks must be integers, steps A-B, back seconds") from None
     kinds = params.get("kinds", "+".join(KINDS)).split("+")
     bad = [k for k in kinds if k not in KINDS]
     if bad:
@@ -85,7 +92,10 @@ def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Faul
     order = [kinds[i % len(kinds)] for i in range(count)]
     rng.shuffle(order)
     return [
-        Fault(id=next_id + i, kind=kind, step=step, rank=rng.randrange(ranks), where=rng.choice(("data", "collective")))
+        Fault(
+            id=next_id + i, kind=kind, step=step, rank=rng.randrange(ranks), where=rng.choice(("data", "collective")),
+            back_s=back_s if kind == "node" else 0.0,
+        )
         for i, (kind, step) in enumerate(zip(order, steps))
     ]
 

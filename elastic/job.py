@@ -11,11 +11,13 @@ import ray
 import torch.distributed as dist
 
 import storage
+from elastic.alerts import GradSpikeRule
 from elastic.cluster import connect
 from elastic.config import ConfigError, JobConfig
 from elastic.controller import Controller, State
 from elastic.events import EventLog
 from elastic.faults import FaultSpecError, parse_faults
+from elastic.metrics import RayMetrics
 from elastic.progress import ProgressPrinter
 from elastic.report import build_report, write_report
 from elastic.worker_group import RayWorkerGroup
@@ -35,7 +37,7 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
     except FaultSpecError as exc:
         raise ConfigError(str(exc)) from None
     cfg = cfg.model_copy(deep=True)
-    cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint.uri)
+    cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
     run_dir = cfg.run_dir
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -58,7 +60,13 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
         raise ConfigError("node faults remove Ray nodes: they need the embedded cluster, not a real one")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_dir / "events.jsonl", echo=None if quiet else ProgressPrinter(cfg.training.steps, cfg.training.global_batch * cfg.data.seq_len))
+    tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
+    progress = None if quiet else ProgressPrinter(cfg.training.steps, tokens_per_step)
+    metrics = RayMetrics(cfg.name, tokens_per_step)
+    events = EventLog(run_dir / "events.jsonl", [s for s in (progress, metrics) if s is not None])
+    f = cfg.fault
+    if f.grad_spike_factor:
+        events.sinks.append(GradSpikeRule(events.emit, f.grad_spike_factor, f.grad_spike_window, f.grad_spike_warmup))
     host = "127.0.0.1" if cluster is not None else ray.util.get_node_ip_address()
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     group = RayWorkerGroup(cfg, host, store.port)
@@ -75,6 +83,8 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
         report = build_report(ctrl)
         write_report(report, run_dir)
         events.emit("job_end", state=ctrl.state.value)
+        if not metrics.flush():  # before the driver leaves Ray: the last values would be lost
+            events.emit("warning", kind="metrics_not_flushed", message=f"the metrics agent at {metrics.url} did not show this run's last values")
         events.close()
         if cluster is not None:
             cluster.shutdown()

@@ -1,61 +1,122 @@
 """The live progress line, printed from the controller's events.
 
-Plain periodic lines (they read well in `ray job logs` too): every
-`every_s` seconds a step line, and at once a line for each failure,
-recovery, resize and checkpoint.
+On a terminal it is one line that `rich` redraws in place: step / total with a
+bar, loss, grad norm, tokens/s, world size and generation, the last committed
+checkpoint and the failures so far. Anywhere else (a pipe, a file, `ray job
+logs`, `kubectl logs`) a redrawn line would turn into a wall of carriage
+returns, so the same numbers come as plain lines every `every_s` seconds.
+Either way each generation start, fault, failure, recovery, skipped checkpoint
+and warning gets a line of its own at once (on a terminal, above the live line).
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import statistics
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
 
 
 class ProgressPrinter:
-    def __init__(self, total_steps: int, tokens_per_step: int, every_s: float = 2.0, stream=None):
+    def __init__(self, total_steps: int, tokens_per_step: int, every_s: float = 2.0, console: Console | None = None):
         self.total = total_steps
         self.tokens_per_step = tokens_per_step
         self.every_s = every_s
-        self.stream = stream or sys.stdout
+        self.console = console or Console()
+        self.live_mode = self.console.is_terminal
+        self._live: Live | None = None
         self._last_print = 0.0
+        self._last_step: dict | None = None
         self._world = 0
         self._generation = 0
         self._ckpt = None
         self._failures = 0
         self._recent: list[float] = []
 
-    def _out(self, line: str) -> None:
-        print(line, file=self.stream, flush=True)
+    # -- output ---------------------------------------------------------------------
+    def _note(self, line: str) -> None:
+        """A line of its own: above the live line on a terminal, else a plain line."""
+        if self.live_mode:
+            self.console.print(Text(line), soft_wrap=True)
+        else:
+            print(line, file=self.console.file, flush=True)
 
+    def _numbers(self, e: dict) -> list[str]:
+        step_s = statistics.median(self._recent)
+        return [
+            f"loss {e['loss']:.4f}",
+            f"grad {e['grad_norm']:.3f}",
+            f"tok/s {self.tokens_per_step / max(step_s, 1e-9):,.0f}",
+            f"world {self._world}",
+            f"gen {self._generation}",
+            f"ckpt {self._ckpt if self._ckpt is not None else '-'}",
+            f"failures {self._failures}",
+        ]
+
+    def _render(self) -> Table:
+        e = self._last_step
+        done = e["step"] + 1
+        row = Table.grid(padding=(0, 1))
+        row.add_row(
+            Text(f"step {done:>5}/{self.total}", style="bold"),
+            ProgressBar(total=self.total, completed=done, width=24),
+            Text("  ".join(self._numbers(e)), style="red" if self._failures else ""),
+        )
+        return row
+
+    def _show_step(self, e: dict) -> None:
+        self._last_step = e
+        last = e["step"] + 1 == self.total
+        if self.live_mode:
+            if self._live is None:
+                self._live = Live(self._render(), console=self.console, auto_refresh=False, transient=False)
+                self._live.start()
+            elif last or e["t"] - self._last_print >= 0.1:  # redraw at most ten times a second
+                self._last_print = e["t"]
+                self._live.update(self._render(), refresh=True)
+            else:
+                self._live.update(self._render())
+        elif last or e["t"] - self._last_print >= self.every_s:
+            self._last_print = e["t"]
+            print(f"step {e['step'] + 1:>5}/{self.total}  " + "  ".join(self._numbers(e)), file=self.console.file, flush=True)
+
+    def close(self) -> None:
+        """Leave the live line on the screen as it last was."""
+        if self._live is not None:
+            self._live.update(self._render(), refresh=True)
+            self._live.stop()
+            self._live = None
+
+    # -- events ---------------------------------------------------------------------
     def __call__(self, e: dict) -> None:
         kind = e["event"]
         if kind == "step":
             self._recent = (self._recent + [e["step_s"]])[-20:]
-            if e["t"] - self._last_print >= self.every_s or e["step"] + 1 == self.total:
-                self._last_print = e["t"]
-                step_s = sorted(self._recent)[len(self._recent) // 2]
-                self._out(
-                    f"step {e['step'] + 1:>5}/{self.total}  loss {e['loss']:.4f}  grad {e['grad_norm']:.3f}  "
-                    f"tok/s {self.tokens_per_step / max(step_s, 1e-9):,.0f}  world {self._world}  gen {self._generation}  "
-                    f"ckpt {self._ckpt if self._ckpt is not None else '-'}  failures {self._failures}"
-                )
+            self._show_step(e)
         elif kind == "generation_start":
             self._world, self._generation = e["world_size"], e["generation"]
-            self._out(f"[gen {e['generation']}] {e['world_size']} workers, layout {e['layout']}, resume from step {e['resume_step']}: {e['reason']}")
+            self._note(f"[gen {e['generation']}] {e['world_size']} workers, layout {e['layout']}, resume from step {e['resume_step']}: {e['reason']}")
         elif kind == "checkpoint_committed":
             self._ckpt = e["step"]
         elif kind == "fault_injected":
-            self._out(f"[fault] injected {e['kind']} at rank {e['rank']} step {e['step']}")
+            self._note(f"[fault] injected {e['kind']} at rank {e['rank']} step {e['step']}")
         elif kind == "failure_detected":
             self._failures += 1
             detect = f" in {e['detect_s']:.3f}s" if e.get("detect_s") is not None else ""
-            self._out(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
+            self._note(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
         elif kind == "recovering":
-            self._out(f"[recover] resuming from step {e['resume_step']}, lost {e['lost_steps']} steps")
+            self._note(f"[recover] resuming from step {e['resume_step']}, lost {e['lost_steps']} steps")
         elif kind == "checkpoint_skipped":
-            self._out(f"[checkpoint] skipped step {e['step']}: {e['reason']}")
+            self._note(f"[checkpoint] skipped step {e['step']}: {e['reason']}")
         elif kind == "waiting_for_workers":
-            self._out(f"[wait] {e['reason']}")
+            self._note(f"[wait] {e['reason']}")
+        elif kind == "warning":
+            self._note(f"[warning] {e['kind']}: {e['message']}")
         elif kind == "state" and e["state"] in ("FINISHED", "FAILED"):
-            self._out(f"[{e['state'].lower()}] {e.get('reason') or ''}".rstrip())
-        self._last_event = time.time()
+            self.close()
+            self._note(f"[{e['state'].lower()}] {e.get('reason') or ''}".rstrip())
+        elif kind == "job_end":
+            self.close()

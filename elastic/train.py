@@ -110,7 +110,8 @@ class Trainer:
         self.fault_store = fault_store
         self.control = control or Control()
         self.stop = self.control.stop
-        self._writer: threading.Thread | None = None
+        self.writer = storage.BackgroundWriter()
+        self._pending = None  # the Future of the save in flight
         self.faults = [Fault(**f) for f in spec.faults]
         self.device = torch.device(spec.device)
         self.data = SyntheticTokens(self.cfg.data, self.cfg.model.vocab_size)
@@ -137,7 +138,11 @@ class Trainer:
 
     # -- faults --------------------------------------------------------------------
     def _faults_at(self, step: int, kinds: tuple[str, ...]) -> list[Fault]:
-        return [f for f in self.faults if f.step == step and f.rank == self.rank and f.kind in kinds]
+        """This rank's faults due at `step`; a kill during save fires at the first save at or after its step."""
+        return [
+            f for f in self.faults
+            if f.rank == self.rank and f.kind in kinds and (f.step == step or (f.kind == "kill_during_save" and f.step <= step))
+        ]
 
     def _inject_before_step(self, step: int) -> None:
         for fault in self._faults_at(step, ("kill", "node", "hang")):
@@ -158,7 +163,8 @@ class Trainer:
                 _block_forever(self.stop)
 
     # -- the loop ------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Train to the last step (True), or until stopped or paused for a resize (False)."""
         self.build()
         cfg, layout = self.cfg, self.layout
         t = cfg.training
@@ -168,7 +174,7 @@ class Trainer:
         self.progress.record("ready", start_step=self.start_step)
         for step in range(self.start_step, t.steps):
             if self.stop.is_set():
-                return
+                return False
             self._inject_before_step(step)
             t0 = time.time()
             self.progress.enter("data", step)
@@ -185,6 +191,7 @@ class Trainer:
             record = {"step": step, "t_start": t0, "grad_norm": float(grad_norm)}
             if reporter:
                 record.update(loss_sum=float(loss_sum), samples=indices)
+            record["t_end"] = time.time()
             self.progress.record("step", **record)
             done = step + 1
             stop_here = self.control.stop_at is not None and done >= self.control.stop_at
@@ -193,39 +200,43 @@ class Trainer:
                 self.save(done, background=cfg.checkpoint.async_save and done != t.steps and not stop_here)
             if stop_here:
                 self.progress.record("paused", step=done)
-                return
+                return False
         self._wait_for_writer()
         self.progress.enter("done", t.steps)
+        return True
 
     def _wait_for_writer(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        """Block until the save in flight is written; a failed write raises here, in the training thread."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def save(self, step: int, background: bool = False) -> None:
         """Snapshot this rank's shards of the state after `step` steps, write them, report the index rows.
 
-        With `background`, only the snapshot stalls training; the write runs in a
-        thread (at most one in flight) and the rows are reported when it is done.
+        With `background`, only the snapshot stalls training; the write runs on
+        the writer's thread (at most one in flight) and the rows are reported
+        when it is done.
         """
-        self._wait_for_writer()
         self.progress.enter("save", step)
         t0 = time.time()
-        snap = storage.snapshot(storage.state_tensors(self.pm.model_parts, self.optimizer))
+        tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         kill = self._faults_at(step, ("kill_during_save",))
-
-        def write() -> None:
-            rows = storage.write_shards(self.cfg.checkpoint.uri, step, self.rank, snap)
-            self.progress.record("saved", step=step, rows=rows, save_s=time.time() - t0, stall_s=stall)
-
-        stall = time.time() - t0 if background else None
         if kill:
-            threading.Thread(target=write, daemon=True).start()
-            time.sleep(0.005 * (1 + kill[0].id % 4))
+            # Die part-way through writing, before this rank's rows can reach the coordinator.
+            snap = storage.snapshot(tensors)
+            threading.Thread(target=storage.write_shards, args=(self.cfg.checkpoint.uri, step, self.rank, snap), daemon=True).start()
+            time.sleep(0.002 * (1 + kill[0].id % 4))
             _fault_signal(self.fault_store, kill[0])
             os.kill(os.getpid(), signal.SIGKILL)
-        if background:
-            self._writer = threading.Thread(target=write, name=f"ckpt-{step}", daemon=True)
-            self._writer.start()
-        else:
-            write()
+        self._wait_for_writer()
+        future, stall = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
+
+        def report(done) -> None:
+            if done.exception() is None:
+                self.progress.record("saved", step=step, rows=done.result(), save_s=time.time() - t0, stall_s=stall if background else None)
+
+        future.add_done_callback(report)
+        self._pending = future
+        if not background:
+            self._wait_for_writer()

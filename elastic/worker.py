@@ -76,11 +76,11 @@ class Worker:
             for v in spec.layout.values():
                 world *= v
             dist.init_process_group(backend, store=gen_store, rank=spec.rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-            Trainer(spec, self._progress, fault_store=store, control=self._control).run()
+            completed = Trainer(spec, self._progress, fault_store=store, control=self._control).run()
             if not self._control.stop.is_set():
                 dist.barrier()
                 dist.destroy_process_group()
-            self._finished = True
+            self._finished = completed
         except BaseException:  # reported to the controller through poll()
             self._error = traceback.format_exc()
 

@@ -419,3 +419,14 @@ def test_state_tensors_creates_fresh_optimizer_state():
         return model.weight.detach().clone()
 
     assert torch.equal(run(True), run(False))
+
+
+def test_shallow_verify_checks_structure_not_data(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 1)
+    _save(uri, 2)
+    _flip(_data(tmp_path, step=2), 0)
+    assert storage.verify(uri, 2, deep=False)["step"] == 2
+    assert storage.latest_valid(uri, deep=False) == 2 and storage.latest_valid(uri) == 1
+    _data(tmp_path, step=2, rank=1).unlink()
+    assert storage.latest_valid(uri, deep=False) == 1

@@ -1,8 +1,8 @@
 """Save at one layout, load at another, on real gloo processes: every tensor bitwise equal, training continues.
 
 Three process groups in all (4, 3 and 2 ranks) to keep the suite fast:
-the 4-rank run saves FSDP dp_shard=4, HSDP 2x2, tp=2 x dp_shard=2 and
-pp=2 x dp_shard=2 checkpoints, checks a same-layout resume against a run that
+the 4-rank run saves FSDP dp_shard=4, HSDP 2x2, tp=2 x dp_shard=2,
+pp=2 x dp_shard=2 and pp=2 x tp=2 checkpoints, checks a same-layout resume against a run that
 never stopped, and loads the TP checkpoint at pp=2 x dp_shard=2 and back; the
 3- and 2-rank runs load them at dp_shard=3, dp_shard=2 and tp=2.
 """
@@ -98,6 +98,7 @@ SAVED = {
     "hsdp": Layout(dp_replicate=2, dp_shard=2),
     "tp2": Layout(tp=2, dp_shard=2),
     "pp2": Layout(pp=2, dp_shard=2),
+    "pp2tp2": Layout(pp=2, tp=2),
 }
 
 

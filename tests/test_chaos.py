@@ -1,0 +1,55 @@
+"""Chaos: many faults of every kind on a simulated multi-node Ray cluster; nothing may be lost.
+
+The short run is in the default suite; the long one (12 seeded random faults) runs with `make chaos`.
+"""
+
+import pytest
+
+from chaos_checks import check_chaos_run
+from elastic.config import load_config
+from elastic.job import run_job
+
+
+def _cfg(tmp_path, name, steps, every):
+    sets = {
+        "name": name,
+        "run_root": str(tmp_path / "runs"),
+        "checkpoint.uri": str(tmp_path / name / "ckpt"),
+        "checkpoint.every_steps": every,
+        "checkpoint.keep": 4,
+        "training.steps": steps,
+        "training.global_batch": 16,
+        "training.micro_batch": 4,
+        "fault.inject": "[]",
+        "fault.max_failures": 30,
+        "fault.hang_floor_s": 2.0,
+    }
+    return load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])
+
+
+def _chaos(tmp_path, steps, every, inject):
+    ref = run_job(_cfg(tmp_path, "ref", steps, every), quiet=True)
+    assert ref["state"] == "FINISHED"
+    cfg = _cfg(tmp_path, "chaos", steps, every)
+    report = run_job(cfg, inject, quiet=True)
+    return report, check_chaos_run(report, cfg.run_dir, str(tmp_path / "chaos" / "ckpt"), str(tmp_path / "ref" / "ckpt"))
+
+
+def test_chaos_short(tmp_path):
+    inject = [
+        "kill:rank=1,step=9",
+        "hang:rank=2,step=17,where=collective",
+        "corrupt:step=18",
+        "kill_during_save:rank=0,step=24",
+        "node:rank=3,step=29,back=2",
+    ]
+    report, result = _chaos(tmp_path, steps=40, every=8, inject=inject)
+    assert sorted(e["kind"] for e in result["injected"]) == ["corrupt", "hang", "kill", "kill_during_save", "node"]
+    assert report["world_sizes"][-1] == 4 and 2 in report["world_sizes"]  # shrank, then grew back
+
+
+@pytest.mark.chaos
+def test_chaos_long(tmp_path):
+    report, result = _chaos(tmp_path, steps=160, every=10, inject=["random:count=12,seed=7,steps=6-150,ranks=4"])
+    assert len(result["injected"]) >= 10
+    assert {e["kind"] for e in result["injected"]} == {"kill", "node", "hang", "kill_during_save", "corrupt"}
