@@ -1,0 +1,195 @@
+"""The controller state machine, driven one `step()` at a time with a scripted worker group: no Ray, no torch.distributed.
+
+The scripted group plays every rank: each poll completes one training step on
+all ranks (with the real sample indices of the layout), writes real checkpoint
+files at the boundaries, and can be told to kill a rank, hang, or change its
+capacity. The checkpoints it commits through the controller are real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import storage
+from elastic.config import load_config
+from elastic.controller import Controller, State
+from elastic.data import GlobalSampler
+from elastic.events import EventLog
+from elastic.worker_group import RankStatus
+
+
+class ScriptedGroup:
+    def __init__(self, cfg, capacity: int):
+        self.cfg = cfg
+        self.cap = capacity
+        self.excluded_nodes: set[str] = set()
+        self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, cfg.training.global_batch)
+        self.kill_rank_at: dict[int, int] = {}  # step -> rank that dies before it
+        self.hang_at: int | None = None
+        self.layout = None
+        self.starts: list[tuple[int, int | None]] = []
+        self.stop_at: int | None = None
+
+    # the RayWorkerGroup surface the controller uses
+    def capacity(self) -> int:
+        return self.cap
+
+    def start(self, layout, specs) -> None:
+        self.layout, self.gen = layout, specs[0]["generation"]
+        self.step = specs[0]["resume_step"] or 0
+        self.starts.append((layout.world_size, specs[0]["resume_step"]))
+        self.stop_at = None
+
+    def stop_after(self, step: int) -> None:
+        self.stop_at = step
+
+    def node_of(self, rank: int) -> str:
+        return f"node{rank // 2}"
+
+    def node_alive(self, node: str) -> bool:
+        return True
+
+    def stacks(self) -> dict[int, str]:
+        return {r: ("--- thread train\n  dist.all_reduce(...)" if r != 1 else "--- thread train\n  next(loader)") for r in range(self.layout.world_size)}
+
+    def shutdown(self) -> None:
+        pass
+
+    def poll(self, timeout_s: float) -> list[RankStatus]:
+        world, step = self.layout.world_size, self.step
+        phase = "data" if self.hang_at == step else "forward_backward"
+        base = {"generation": self.gen, "step": step, "phase": phase, "phase_s": 0.0, "error": None}
+        if step in self.kill_rank_at:
+            dead = self.kill_rank_at.pop(step)
+            return [RankStatus(r, r != dead, {**base, "records": [], "finished": False} if r != dead else None, "died") for r in range(world)]
+        if self.hang_at == step or step >= self.cfg.training.steps or (self.stop_at is not None and step >= self.stop_at):
+            # hung, done or paused: no new records
+            finished = step >= self.cfg.training.steps
+            return [RankStatus(r, True, {**base, "step": step - 1 if step else 0, "phase": "forward_backward" if r != 1 else phase, "records": [], "finished": finished}) for r in range(world)]
+        out = []
+        done = step + 1
+        for r in range(world):
+            rec = {"kind": "step", "step": step, "t_start": 0.0, "t_end": 0.01, "grad_norm": 1.0}
+            if self.layout.is_data_reporter(r):
+                rec.update(loss_sum=1.0, samples=self.sampler.rank_indices(step, self.layout.dp_rank(r), self.layout.dp))
+            records = [rec]
+            if done % self.cfg.checkpoint.every_steps == 0 or done == self.cfg.training.steps or done == self.stop_at:
+                rows = storage.write_shards(self.cfg.checkpoint.uri, done, r, {f"model.r{r}": torch.full((3,), float(done))})
+                records.append({"kind": "saved", "step": done, "rows": rows, "save_s": 0.01})
+            out.append(RankStatus(r, True, {**base, "records": records, "finished": done >= self.cfg.training.steps}))
+        self.step = done
+        return out
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
+def _setup(tmp_path, capacity=4, **sets):
+    base = {"training.steps": 12, "checkpoint.every_steps": 4, "training.global_batch": 8, "fault.heartbeat_s": 0.001,
+            "checkpoint.uri": str(tmp_path / "ckpt"), "run_root": str(tmp_path), "scaling.wait_for_workers_s": 0, **sets}
+    cfg = load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in base.items()] + ["fault.inject=[]"])
+    group = ScriptedGroup(cfg, capacity)
+    clock = Clock()
+    ctrl = Controller(cfg, group, EventLog(tmp_path / "events.jsonl"), clock=clock)
+    return ctrl, group, clock
+
+
+def _run(ctrl, limit=200) -> list[State]:
+    seen = []
+    for _ in range(limit):
+        seen.append(ctrl.step())
+        if seen[-1] in (State.FINISHED, State.FAILED):
+            return seen
+    raise AssertionError(f"no end state after {limit} steps: {seen[-5:]}")
+
+
+def _ledger_clean(ctrl):
+    expected = [i for s in range(ctrl.cfg.training.steps) for i in ctrl.sampler.global_indices(s)]
+    assert ctrl.ledger.summary(expected) == {"expected": len(expected), "seen_once": len(expected), "duplicated": 0, "missing": 0}
+
+
+def test_happy_path_one_transition_at_a_time(tmp_path):
+    ctrl, group, _ = _setup(tmp_path)
+    assert ctrl.state is State.SCHEDULING
+    assert ctrl.step() is State.RUNNING and ctrl.layout.world_size == 4
+    assert ctrl.step() is State.RUNNING and ctrl.completed_step == 0
+    assert _run(ctrl)[-1] is State.FINISHED
+    assert [e["step"] for e in ctrl.events.of("checkpoint_committed")] == [4, 8, 12]
+    assert [c["step"] for c in storage.list_checkpoints(ctrl.cfg.checkpoint.uri)] == [12, 8, 4]
+    _ledger_clean(ctrl)
+
+
+def test_dead_rank_recovers_from_last_commit(tmp_path):
+    ctrl, group, _ = _setup(tmp_path)
+    group.kill_rank_at[6] = 2
+    states = _run(ctrl)
+    assert State.RECOVERING in states and states[-1] is State.FINISHED
+    (failure,) = ctrl.failures
+    assert failure["detected_as"] == "rank_died" and failure["rank"] == 2 and failure["culprit"] == 2
+    assert failure["resume_step"] == 4 and failure["lost_steps"] == 2 and failure["recover_s"] > 0
+    assert group.starts == [(4, None), (4, 4)]
+    _ledger_clean(ctrl)
+
+
+def test_shrinks_when_capacity_drops(tmp_path):
+    ctrl, group, _ = _setup(tmp_path)
+    group.kill_rank_at[5] = 3
+    for _ in range(8):
+        ctrl.step()
+    group.cap = 3  # a node's worth of slots is gone; 3 does not divide the batch of 8
+    assert _run(ctrl)[-1] is State.FINISHED
+    assert [w for w, _ in group.starts] == [4, 2]
+    _ledger_clean(ctrl)
+
+
+def test_hang_names_the_culprit(tmp_path):
+    ctrl, group, clock = _setup(tmp_path, **{"fault.hang_floor_s": 1.0, "fault.hang_factor": 2.0})
+    group.hang_at = 9
+    while ctrl.completed_step < 8:
+        ctrl.step()
+    group.hang_at = 9
+    clock.now += 0.5
+    assert ctrl.step() is State.RUNNING  # within the deadline
+    clock.now += 1.0
+    assert ctrl.step() is State.RECOVERING
+    failure = ctrl.failures[-1]
+    assert failure["detected_as"] == "hang" and failure["culprit"] == 1
+    assert ctrl.events.of("hang_stacks")[0]["culprit"] == 1
+    group.hang_at = None
+    assert _run(ctrl)[-1] is State.FINISHED
+    _ledger_clean(ctrl)
+
+
+def test_waits_then_fails_below_min_workers(tmp_path):
+    ctrl, group, _ = _setup(tmp_path, capacity=1, **{"scaling.min_workers": 2})
+    assert _run(ctrl)[-1] is State.FAILED
+    assert "min_workers" in ctrl.failed_reason
+    assert ctrl.events.of("waiting_for_workers")
+
+
+def test_gives_up_after_max_failures(tmp_path):
+    ctrl, group, _ = _setup(tmp_path, **{"fault.max_failures": 1})
+    group.kill_rank_at.update({2: 0, 3: 1})
+    assert _run(ctrl)[-1] is State.FAILED
+    assert "max_failures" in ctrl.failed_reason
+
+
+def test_grows_at_a_boundary_without_losing_a_step(tmp_path):
+    ctrl, group, _ = _setup(tmp_path, capacity=2, **{"training.steps": 16})
+    while ctrl.completed_step < 5:
+        ctrl.step()
+    group.cap = 4
+    ctrl.next_grow_check = 0.0
+    states = _run(ctrl)
+    assert State.RESIZING in states and states[-1] is State.FINISHED
+    assert [w for w, _ in group.starts] == [2, 4]
+    resized = ctrl.events.of("resized")[0]
+    assert resized["lost_steps"] == 0 and group.starts[1][1] == resized["resume_step"]
+    assert not ctrl.failures
+    _ledger_clean(ctrl)
