@@ -32,7 +32,9 @@ def build_report(ctrl) -> dict:
         "world_sizes": [e["world_size"] for e in ctrl.events.of("generation_start")],
         "layouts": [e["layout"] for e in ctrl.events.of("generation_start")],
         "generations": ctrl.generation,
-        "failures": [{k: v for k, v in f.items() if k not in ("detected_at", "detail")} for f in ctrl.failures],
+        "failures": [
+            {**{k: v for k, v in f.items() if k not in ("detected_at", "detail")}, "error": _last_line(f["detail"])} for f in ctrl.failures
+        ],
         "failures_detected": len(ctrl.failures),
         "faults_injected": len(injected),
         "faults": [{k: e.get(k) for k in ("fault_id", "kind", "rank", "step", "node", "t_fault")} for e in injected],
@@ -43,6 +45,11 @@ def build_report(ctrl) -> dict:
         "wall_s": wall,
         "goodput": kept_time / wall if wall > 0 else 0.0,
     }
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
 
 
 def write_report(report: dict, run_dir: Path) -> Path:

@@ -54,3 +54,11 @@ def test_killed_worker_replaced_same_world_bitwise(tmp_path):
     assert a.keys() == b.keys() and any(k.startswith("optim.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_worker_that_cannot_start_is_reported_not_hung(tmp_path):
+    report = run_job(_cfg(tmp_path, "nocuda", device="cuda", **{"fault.max_failures": 0}), quiet=True)
+    assert report["state"] == "FAILED" and "max_failures" in report["reason"]
+    (failure,) = report["failures"]
+    assert failure["detected_as"] == "worker_error"
+    assert "CUDA" in failure["error"] or "cuda" in failure["error"]
