@@ -163,6 +163,8 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "JobConfig":
+        if set(self.name) <= {"."}:
+            raise ValueError(f"name {self.name!r} would put the run directory outside run_root")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.training.global_batch % self.training.micro_batch:

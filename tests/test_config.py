@@ -21,6 +21,7 @@ def test_demo_config_loads():
         (["parallel.dp_shard=0"], "parallel.dp_shard"),
         (["checkpoint.uri=../../etc"], "checkpoint.uri"),
         (["name=a/b"], "name"),
+        (["name=.."], "name"),
         (["data.seq_len=64"], "data.seq_len"),
     ],
 )

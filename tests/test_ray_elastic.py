@@ -40,9 +40,11 @@ def test_node_loss_shrinks_and_keeps_every_sample(tmp_path):
     assert report["final_loss"] < report["initial_loss"]
 
 
-def test_killed_worker_replaced_same_world_bitwise(tmp_path):
-    ref = run_job(_cfg(tmp_path, "ref"), quiet=True)
-    hit = run_job(_cfg(tmp_path, "kill"), ["kill:rank=1,step=19"], quiet=True)
+def test_killed_worker_replaced_same_world_bitwise_pp_tp_async(tmp_path):
+    # A 2-stage pipeline of tensor-parallel pairs; the resumed run also saves asynchronously.
+    layout = {"parallel.pp": 2, "parallel.tp": 2}
+    ref = run_job(_cfg(tmp_path, "ref", **layout), quiet=True)
+    hit = run_job(_cfg(tmp_path, "kill", **layout, **{"checkpoint.async_save": "true"}), ["kill:rank=1,step=19"], quiet=True)
     assert ref["state"] == hit["state"] == "FINISHED"
     assert hit["world_sizes"] == [4, 4]
     (failure,) = hit["failures"]
