@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import storage
@@ -99,6 +100,9 @@ class Controller:
         self.finished_ranks: set[int] = set()
         self.waiting_since: float | None = None
         self.max_seen_step = -1
+        self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+        self._commits: list[tuple[dict, Future]] = []  # in flight, oldest first
         self.resize_target: int | None = None
         self.next_grow_check = 0.0
         self.node_returns: list[float] = []  # when removed nodes come back (node faults with back=)
@@ -163,6 +167,8 @@ class Controller:
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
         self.tallies.clear()
+        self.last_polls = {}
+        self.max_seen_step = self.resume_step or 0
         self.pending_rows.clear()
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
@@ -183,6 +189,8 @@ class Controller:
         for s in statuses:
             if s.alive:
                 self._absorb(s.rank, s.poll, now)
+                self.last_polls[s.rank] = {"step": s.poll["step"], "phase": s.poll["phase"]}
+        self._reap_commits(wait=self.state is State.RESIZING)  # a paused job waits for its commit anyway
         if dead:
             ranks = [s.rank for s in dead]
             injected = [f for f in self.faults if self.fired.get(f.id, -1) > 0 and f.rank in ranks]
@@ -200,6 +208,7 @@ class Controller:
             )
             return
         if self.layout and len(self.finished_ranks) == self.layout.world_size:
+            self._reap_commits(wait=True)
             self._transition(State.FINISHED, steps=self.completed_step + 1)
             return
         if self.state is State.RESIZING and self.last_committed == self.resize_target:
@@ -262,7 +271,6 @@ class Controller:
         del self.pending_rows[step]
         save_s = max(r["save_s"] for r in rows.values())
         stalls = [r["stall_s"] for r in rows.values() if r.get("stall_s") is not None]
-        t0 = self.clock()
         train_state = {
             "step": step,
             "data_cursor": self.sampler.cursor(step),
@@ -272,14 +280,30 @@ class Controller:
             "generation": self.generation,
         }
         all_rows = [row for r in sorted(rows) for row in rows[r]["rows"]]
-        storage.commit(self.cfg.checkpoint.uri, step, all_rows, layout=self.layout.as_dict(), train_state=train_state)
-        self.last_committed = step
+        info = {"step": step, "save_s": save_s, "stall_s": max(stalls) if stalls else save_s, "generation": self.generation,
+                "bytes": sum(row["nbytes"] for row in all_rows)}
+        # Committing is I/O (index, manifest, retention): off the loop, so polls and deadlines keep their pace.
+        future = self._committer.submit(self._commit, step, all_rows, self.layout.as_dict(), train_state)
+        self._commits.append((info, future))
+
+    def _commit(self, step: int, rows: list[dict], layout: dict, train_state: dict) -> float:
+        t0 = time.perf_counter()
+        storage.commit(self.cfg.checkpoint.uri, step, rows, layout=layout, train_state=train_state)
         storage.retain(self.cfg.checkpoint.uri, self.cfg.checkpoint.keep)
-        self.watchdog.touch(self.clock())
-        self.events.emit(
-            "checkpoint_committed", step=step, commit_s=self.clock() - t0, save_s=save_s,
-            stall_s=max(stalls) if stalls else save_s, generation=self.generation, bytes=sum(row["nbytes"] for row in all_rows),
-        )
+        return time.perf_counter() - t0
+
+    def _reap_commits(self, wait: bool = False) -> None:
+        """Record the commits that finished (all of them with `wait`), in order."""
+        while self._commits and (wait or self._commits[0][1].done()):
+            info, future = self._commits.pop(0)
+            try:
+                commit_s = future.result()
+            except Exception as exc:  # noqa: BLE001 - the job goes on with the previous checkpoint
+                self.events.emit("checkpoint_commit_failed", step=info["step"], error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.last_committed = info["step"]
+            self.watchdog.touch(self.clock())
+            self.events.emit("checkpoint_committed", commit_s=commit_s, **info)
 
     # -- RESIZING (planned, loses nothing) -------------------------------------------------
     def _maybe_grow(self) -> None:
@@ -350,7 +374,8 @@ class Controller:
     # -- failures ------------------------------------------------------------------------
     def _on_hang(self, now: float) -> None:
         stacks = self.group.stacks()
-        polls = {s.rank: s.poll for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
+        fresh = {s.rank: s.poll for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
+        polls = {**self.last_polls, **fresh}  # a rank slow to answer this round keeps its last known position
         culprit = self._culprit(stacks, polls)
         self.events.emit("hang_stacks", stacks={str(k): v[-4000:] for k, v in stacks.items()}, culprit=culprit)
         node = self.group.node_of(culprit) if culprit is not None else None
@@ -395,6 +420,7 @@ class Controller:
     def _recover(self) -> None:
         failure = self.pending_failure
         self.group.shutdown()
+        self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)
         record = self.failures[-1]
         if decision.exclude_node:
@@ -410,7 +436,8 @@ class Controller:
         )
         self.resume_step = resume
         start = resume or 0
-        record["lost_steps"] = max(0, self.completed_step + 1 - start)
+        done = max(self.completed_step + 1, self.max_seen_step)  # a rank running step k has done k steps
+        record["lost_steps"] = max(0, done - start)
         record["resume_step"] = resume
         self.ledger.rollback(start)
         for step in [s for s in self.losses if s >= start]:

@@ -73,6 +73,7 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
     ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store)
     try:
         events.emit("job_start", name=cfg.name, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
+        events.emit("metrics_endpoint", url=metrics.url)
         if cfg.checkpoint.resume:
             ctrl.resume_step = storage.latest_valid(
                 cfg.checkpoint.uri, on_skip=lambda step, reason: events.emit("checkpoint_skipped", step=step, reason=str(reason))

@@ -28,7 +28,7 @@ class ProgressPrinter:
         self.console = console or Console()
         self.live_mode = self.console.is_terminal
         self._live: Live | None = None
-        self._last_print = 0.0
+        self._last_print: float | None = None  # event time of the last drawing; the first step is always shown
         self._last_step: dict | None = None
         self._world = 0
         self._generation = 0
@@ -69,18 +69,17 @@ class ProgressPrinter:
 
     def _show_step(self, e: dict) -> None:
         self._last_step = e
-        last = e["step"] + 1 == self.total
+        interval = 0.1 if self.live_mode else self.every_s  # a live line is redrawn at most ten times a second
+        due = self._last_print is None or e["t"] - self._last_print >= interval or e["step"] + 1 == self.total
+        if due:
+            self._last_print = e["t"]
         if self.live_mode:
             if self._live is None:
                 self._live = Live(self._render(), console=self.console, auto_refresh=False, transient=False)
-                self._live.start()
-            elif last or e["t"] - self._last_print >= 0.1:  # redraw at most ten times a second
-                self._last_print = e["t"]
-                self._live.update(self._render(), refresh=True)
+                self._live.start(refresh=True)
             else:
-                self._live.update(self._render())
-        elif last or e["t"] - self._last_print >= self.every_s:
-            self._last_print = e["t"]
+                self._live.update(self._render(), refresh=due)
+        elif due:
             print(f"step {e['step'] + 1:>5}/{self.total}  " + "  ".join(self._numbers(e)), file=self.console.file, flush=True)
 
     def close(self) -> None:
@@ -113,6 +112,8 @@ class ProgressPrinter:
             self._note(f"[checkpoint] skipped step {e['step']}: {e['reason']}")
         elif kind == "waiting_for_workers":
             self._note(f"[wait] {e['reason']}")
+        elif kind == "metrics_endpoint" and e["url"]:
+            self._note(f"[metrics] Prometheus format at {e['url']} (series ray_elastic_*)")
         elif kind == "warning":
             self._note(f"[warning] {e['kind']}: {e['message']}")
         elif kind == "state" and e["state"] in ("FINISHED", "FAILED"):

@@ -92,7 +92,7 @@ def crc32(buf, value: int = 0) -> int:
 def encode_index(rows: list[dict]) -> bytes:
     """Rows (dicts with INDEX_COLUMNS) as an Arrow IPC file, sorted by key and offsets."""
     rows = sorted(rows, key=lambda r: (r["key"], list(r["offsets"])))
-    table = pa.table({name: [r[name] for r in rows] for name in INDEX_COLUMNS}, schema=INDEX_SCHEMA)
+    table = pa.Table.from_pydict({name: [r[name] for r in rows] for name in INDEX_COLUMNS}, schema=INDEX_SCHEMA)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
         writer.write_table(table)

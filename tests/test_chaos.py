@@ -37,11 +37,11 @@ def _chaos(tmp_path, steps, every, inject):
 
 def test_chaos_short(tmp_path):
     inject = [
-        "kill:rank=1,step=9",
-        "hang:rank=2,step=17,where=collective",
-        "corrupt:step=18",
-        "kill_during_save:rank=0,step=24",
-        "node:rank=3,step=29,back=2",
+        "kill:rank=1,step=7",
+        "node:rank=3,step=13,back=1",  # shrink to 2 workers, then grow back when the node returns
+        "hang:rank=1,step=25,where=collective",
+        "corrupt:step=26",  # flips the newest checkpoint (24) before the next restore
+        "kill_during_save:rank=0,step=32",
     ]
     report, result = _chaos(tmp_path, steps=40, every=8, inject=inject)
     assert sorted(e["kind"] for e in result["injected"]) == ["corrupt", "hang", "kill", "kill_during_save", "node"]
