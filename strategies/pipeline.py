@@ -13,11 +13,12 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from strategies.spec import ModelSpec
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining is imported only when a pipeline is built: it pulls in torch._dynamo,
+# seconds of start-up that every restarted worker without pipeline parallelism would pay.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 def param_cost(module: nn.Module | None) -> float:
@@ -156,9 +157,11 @@ def build_schedule(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+    import torch.distributed.pipelining as pipelining
+
     group = pp_mesh.get_group()
-    stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
-    cls = SCHEDULES[schedule]
+    stages = [pipelining.PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
+    cls = getattr(pipelining, SCHEDULES[schedule])
     if schedule == "interleaved_1f1b":
         return stages, cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(stages) != 1:
