@@ -37,6 +37,8 @@ from elastic.train import RankSpec, lr_at
 from elastic.watchdog import HangWatchdog
 from elastic.worker_group import StartError
 
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|Connection refused", re.I)
+PEER_LOSS_GRACE_S = 1.0
 _COLLECTIVE_FRAMES = re.compile(r"all_reduce|all_gather|reduce_scatter|barrier|broadcast|_wait|recv|send")
 
 
@@ -101,6 +103,7 @@ class Controller:
         self.waiting_since: float | None = None
         self.max_seen_step = -1
         self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
+        self.peer_errors_since: float | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self._commits: list[tuple[dict, Future]] = []  # in flight, oldest first
         self.resize_target: int | None = None
@@ -167,6 +170,7 @@ class Controller:
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
         self.tallies.clear()
+        self.peer_errors_since = None
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0
         self.pending_rows.clear()
@@ -201,6 +205,12 @@ class Controller:
             self._on_failure(Failure(kind, rank, node, rank, self.completed_step + 1, detail), now)
             return
         errors = [s for s in statuses if s.alive and s.poll.get("error")]
+        if errors and all(_PEER_LOST.search(s.poll["error"]) for s in errors):
+            # A collective failing because a peer vanished: the peer's death is the failure, and
+            # Ray reports it within moments. Blame the survivor only if no death shows up.
+            self.peer_errors_since = self.peer_errors_since or now
+            if now - self.peer_errors_since < PEER_LOSS_GRACE_S:
+                errors = []
         if errors:
             s = errors[0]
             self._on_failure(
@@ -320,7 +330,7 @@ class Controller:
         self._transition(State.RESIZING, at_step=target)
 
     def _resize(self) -> None:
-        self.group.shutdown()
+        self.group.teardown()
         self.resume_step = self.resize_target
         self.resize_target = None
         self.events.emit("resized", resume_step=self.resume_step, lost_steps=0)
@@ -419,7 +429,7 @@ class Controller:
     # -- RECOVERING -------------------------------------------------------------------------
     def _recover(self) -> None:
         failure = self.pending_failure
-        self.group.shutdown()
+        kept = self.group.teardown(kill_ranks=[failure.culprit] if failure.culprit is not None else [])
         self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)
         record = self.failures[-1]
@@ -444,5 +454,5 @@ class Controller:
             del self.losses[step]
             self.step_times.pop(step, None)
         self.open_failure = record
-        self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason)
+        self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason, workers_kept=kept)
         self._transition(State.SCHEDULING, resume_step=resume)

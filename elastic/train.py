@@ -47,6 +47,7 @@ class Progress:
         self.step = -1
         self.phase = "start"
         self.phase_since = time.time()
+        self.changed = threading.Event()  # set by every record: wakes a waiting long poll
         self._records: list[dict] = []
         self._lock = threading.Lock()
 
@@ -59,6 +60,7 @@ class Progress:
     def record(self, kind: str, **fields) -> None:
         with self._lock:
             self._records.append({"kind": kind, "t": time.time(), **fields})
+        self.changed.set()
 
     def drain(self) -> list[dict]:
         with self._lock:

@@ -3,10 +3,23 @@
 The loop runs in its own thread so the actor keeps answering `poll` and
 `stacks` while a step runs or is stuck in a collective. The controller never
 waits on a collective: it polls, and tears workers down itself.
+
+`poll(wait_s)` is a long poll: it answers as soon as the loop reports a record
+or ends, and otherwise after `wait_s`. Answering at once every time made the
+controller re-poll each rank hundreds of times a second, and serving those
+calls took CPU and the GIL from the training thread (steps ran ~2x slower on
+a 2-core machine).
+
+A worker outlives its generation when it can: after a failure the controller
+asks each survivor to `reset`. A survivor whose loop has ended (its collective
+failed when the peer died, or it was between steps) drops its process group
+and is reused by the next generation, warm: no new process, no imports. One
+still stuck after the grace period is killed and replaced.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -18,16 +31,13 @@ from datetime import timedelta
 import ray
 
 
-def _device_for(spec_device: str, gpus: float) -> str:
-    if spec_device == "cpu" or (spec_device == "auto" and gpus == 0):
-        return "cpu"
-    return "cuda"
-
-
 @ray.remote(max_restarts=0, max_concurrency=4)
 class Worker:
     def __init__(self):
-        import torch  # imported here so start-up cost is paid when the actor is created, not at start()
+        # Everything a generation needs is imported now, while the actor is created, not on the recovery path.
+        import torch
+
+        import elastic.train  # noqa: F401
 
         torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
         self._thread: threading.Thread | None = None
@@ -47,14 +57,13 @@ class Worker:
 
     def start(self, spec_dict: dict, store_host: str, store_port: int, timeout_s: float) -> None:
         """Join the generation's process group and train in a background thread."""
-        from elastic.train import Progress, RankSpec
-
-        from elastic.train import Control
+        from elastic.train import Control, Progress, RankSpec
 
         spec = RankSpec(**spec_dict)
         self._generation = spec.generation
         self._control = Control()
         self._progress = Progress()
+        self._error, self._finished = None, False
         self._thread = threading.Thread(
             target=self._main, args=(spec, store_host, store_port, timeout_s), name=f"train-g{spec.generation}-r{spec.rank}", daemon=True
         )
@@ -83,10 +92,19 @@ class Worker:
             self._finished = completed
         except BaseException:  # reported to the controller through poll()
             self._error = traceback.format_exc()
+        finally:
+            self._progress.changed.set()  # a waiting poll reports the end at once
 
-    def poll(self) -> dict:
-        """Current step and phase, new records, and whether the loop ended (finished or failed)."""
+    def poll(self, wait_s: float = 0.0) -> dict:
+        """Current step and phase, new records, and whether the loop ended (finished or failed).
+
+        With `wait_s`, first wait up to that long for a new record or the end of the loop.
+        """
         p = self._progress
+        if p is not None and wait_s > 0 and not (self._finished or self._error):
+            p.changed.wait(wait_s)
+        if p is not None:
+            p.changed.clear()  # before draining: a record added after this wakes the next poll
         return {
             "generation": self._generation,
             "step": p.step if p else -1,
@@ -96,6 +114,26 @@ class Worker:
             "finished": self._finished,
             "error": self._error,
         }
+
+    def reset(self, grace_s: float) -> bool:
+        """End this generation here: stop the loop, drop the process group. False if the loop is stuck."""
+        import torch.distributed as dist
+
+        if self._control is not None:
+            self._control.stop.set()
+        if self._thread is not None:
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                return False
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is what we are leaving behind
+                return False
+        self._thread = self._control = self._progress = None
+        self._error, self._finished, self._generation = None, False, -1
+        gc.collect()  # the old model still holds the old groups; freeing them closes their connections, releasing peers
+        return True
 
     def stacks(self) -> str:
         """The Python stack of every thread of this process, for naming the culprit of a hang."""

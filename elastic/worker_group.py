@@ -7,6 +7,7 @@ whenever a node's slots are a multiple of `tp`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -46,6 +47,7 @@ class RayWorkerGroup:
     store_port: int
     members: list[Member] = field(default_factory=list)
     excluded_nodes: set[str] = field(default_factory=set)
+    idle: dict[str, list] = field(default_factory=dict)  # warm workers of ended generations, by node
 
     # -- capacity ----------------------------------------------------------------
     def _slots(self, resources: dict) -> int:
@@ -75,13 +77,16 @@ class RayWorkerGroup:
             raise StartError(f"need {layout.world_size} worker slots, the cluster has {len(placement)}")
         self.members = []
         for rank in range(layout.world_size):
-            actor = Worker.options(
+            node = placement[rank]
+            warm = self.idle.get(node)
+            actor = warm.pop() if warm else Worker.options(
                 num_cpus=s.cpus_per_worker,
                 num_gpus=s.gpus_per_worker,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(placement[rank], soft=False),
-                name=None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote()
-            self.members.append(Member(rank, placement[rank], actor))
+            self.members.append(Member(rank, node, actor))
+        self._kill([a for actors in self.idle.values() for a in actors])  # warm workers this layout has no slot for
+        self.idle = {}
         infos = [m.actor.info.remote() for m in self.members]
         try:
             for member, info in zip(self.members, ray.get(infos, timeout=self.cfg.fault.startup_timeout_s)):
@@ -94,22 +99,42 @@ class RayWorkerGroup:
         ray.get([m.actor.start.remote(spec, self.store_host, self.store_port, timeout) for m, spec in zip(self.members, specs)])
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
-        """One round of polls; a rank whose actor is dead comes back with alive=False."""
+        """One round of polls; a rank whose actor is dead comes back with alive=False.
+
+        Each rank's poll is a long poll: it answers on a new record, at the end
+        of its loop, or after half of `timeout_s` (so every live rank answers
+        within the round and a round is complete, as when polls answered at
+        once). A round ends when every rank has answered, at `timeout_s`, or at
+        once when a rank is dead: Ray's prompt report of a dead actor is not
+        held back by the live ranks' waits.
+        """
         for m in self.members:
             if m.pending is None:
-                m.pending = m.actor.poll.remote()
-        ready, _ = ray.wait([m.pending for m in self.members], num_returns=len(self.members), timeout=timeout_s)
-        ready = set(ready)
-        out = []
-        for m in self.members:
-            if m.pending not in ready:
-                continue
-            ref, m.pending = m.pending, None
-            try:
-                out.append(RankStatus(m.rank, True, ray.get(ref)))
-            except RayActorError as exc:
-                out.append(RankStatus(m.rank, False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
-        return out
+                m.pending = m.actor.poll.remote(timeout_s / 2)
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, RankStatus] = {}
+        while True:
+            waiting = [m for m in self.members if m.pending is not None]
+            ready, _ = ray.wait([m.pending for m in waiting], num_returns=len(waiting), timeout=0) if waiting else ([], [])
+            ready = set(ready)
+            for m in waiting:
+                if m.pending in ready:
+                    ref, m.pending = m.pending, None
+                    results[m.rank] = self._status(m.rank, ref)
+            waiting = [m for m in self.members if m.pending is not None]
+            left = deadline - time.monotonic()
+            dead = any(not s.alive for s in results.values())
+            if not waiting or dead or left <= 0:
+                break
+            ray.wait([m.pending for m in waiting], num_returns=1, timeout=left)
+        return [results[m.rank] for m in self.members if m.rank in results]
+
+    @staticmethod
+    def _status(rank: int, ref) -> RankStatus:
+        try:
+            return RankStatus(rank, True, ray.get(ref))
+        except RayActorError as exc:
+            return RankStatus(rank, False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     def stop_after(self, step: int) -> None:
         ray.get([m.actor.stop_after.remote(step) for m in self.members])
@@ -130,11 +155,43 @@ class RayWorkerGroup:
     def node_alive(self, node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
-    def shutdown(self) -> None:
-        """Kill every worker at once: survivors must not wait for a collective timeout."""
-        for m in self.members:
+    def teardown(self, kill_ranks=(), grace_s: float = 2.0) -> int:
+        """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.
+
+        The ranks in `kill_ranks` (dead, or the culprit of a hang) are killed
+        first: that breaks the collectives the others wait in, so their loops
+        end and `reset` can release them. A survivor still stuck after
+        `grace_s` is killed too: nobody waits for a collective timeout.
+        """
+        doomed = [m for m in self.members if m.rank in set(kill_ranks)]
+        self._kill([m.actor for m in doomed])
+        rest = [m for m in self.members if m not in doomed]
+        resets = {m.rank: m.actor.reset.remote(grace_s) for m in rest}
+        ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=grace_s + 2.0) if resets else ([], [])
+        kept = 0
+        for m in rest:
+            ref = resets[m.rank]
             try:
-                ray.kill(m.actor, no_restart=True)
+                reusable = ref in ready and ray.get(ref)
+            except RayActorError:
+                reusable = False
+            if reusable:
+                self.idle.setdefault(m.node_id, []).append(m.actor)
+                kept += 1
+            else:
+                self._kill([m.actor])
+        self.members = []
+        return kept
+
+    def shutdown(self) -> None:
+        """Kill every worker, warm ones included (the end of the job)."""
+        self._kill([m.actor for m in self.members] + [a for actors in self.idle.values() for a in actors])
+        self.members, self.idle = [], {}
+
+    @staticmethod
+    def _kill(actors) -> None:
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        self.members = []

@@ -10,6 +10,8 @@ global coordinates, and `manifest.json`, written last: the commit. See
     commit(uri, step, all_rows, layout=..., train_state=...)  # the coordinator, once
     load_training_state(uri, step, new_parts, new_optimizer)  # any layout
     # = load_shards(uri, step, state_tensors(new_parts, new_optimizer))
+    planner = ReadPlanner.open(uri, step)                  # decode the index once, plan many ranks
+    load_into(uri, step, {key: (shape, local, boxes)}, planner=planner)  # any rank, no DTensor needed
 
 No pickle is read or written anywhere: loading a checkpoint cannot execute code.
 """
@@ -26,7 +28,7 @@ from storage.catalog import (
     verify,
 )
 from storage.format import CheckpointError
-from storage.reader import load_shards, load_training_state
+from storage.reader import ReadPlanner, load_into, load_shards, load_training_state
 from storage.state import LocalPart, snapshot, state_tensors
 from storage.writer import BackgroundWriter, commit, gather_and_commit, write_shards
 
@@ -34,6 +36,7 @@ __all__ = [
     "BackgroundWriter",
     "CheckpointError",
     "LocalPart",
+    "ReadPlanner",
     "check_writable",
     "clean_incomplete",
     "commit",
@@ -41,6 +44,7 @@ __all__ = [
     "gather_and_commit",
     "latest_valid",
     "list_checkpoints",
+    "load_into",
     "load_shards",
     "load_training_state",
     "read_manifest",

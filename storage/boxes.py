@@ -16,6 +16,7 @@ bisecting pieces sorted along one dimension instead of comparing all pairs.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,12 +88,8 @@ def shard_runs(runs: list[Run], chunks: int, index: int, split_factor: int = 1) 
     return _merge(out)
 
 
-def local_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coords: Sequence[int], placements) -> list[Box]:
-    """The boxes of the global tensor that a mesh coordinate holds, with their place in its local tensor.
-
-    `placements` are torch placements: `Shard`, `_StridedShard` cut a dimension,
-    `Replicate`/`Partial` leave it whole. An empty local shard gives no boxes.
-    """
+def local_runs(global_shape: Sequence[int], mesh_shape: Sequence[int], coords: Sequence[int], placements) -> list[list[Run]]:
+    """Per dimension, the runs of global indices a mesh coordinate holds, in local order (the local shape is their sums)."""
     runs: list[list[Run]] = [[(0, size)] if size else [] for size in global_shape]
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, _StridedShard):
@@ -102,8 +99,41 @@ def local_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coords: 
         else:
             continue
         runs[placement.dim] = shard_runs(runs[placement.dim], mesh_shape[mesh_dim], coords[mesh_dim], split)
+    return runs
+
+
+def local_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coords: Sequence[int], placements) -> list[Box]:
+    """The boxes of the global tensor that a mesh coordinate holds, with their place in its local tensor.
+
+    `placements` are torch placements: `Shard`, `_StridedShard` cut a dimension,
+    `Replicate`/`Partial` leave it whole. An empty local shard gives no boxes.
+    """
+    return list(_local_boxes(tuple(global_shape), tuple(mesh_shape), tuple(coords), _placement_keys(tuple(placements))))
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement_keys(placements: tuple) -> tuple:
+    return tuple(_placement_key(p) for p in placements)
+
+
+def _placement_key(placement) -> tuple:
+    if isinstance(placement, _StridedShard):
+        return (placement.dim, int(placement.split_factor))
+    if isinstance(placement, Shard):
+        return (placement.dim, 1)
+    return ()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_boxes(global_shape: tuple, mesh_shape: tuple, coords: tuple, placements: tuple) -> tuple[Box, ...]:
+    """`local_boxes` on hashable arguments, memoised: tensors of one shape and placement (every layer's `wq`,
+    a parameter and its optimizer state) and replicas share the result, which makes planning many ranks cheap."""
+    runs: list[list[Run]] = [[(0, size)] if size else [] for size in global_shape]
+    for mesh_dim, p in enumerate(placements):
+        if p:
+            runs[p[0]] = shard_runs(runs[p[0]], mesh_shape[mesh_dim], coords[mesh_dim], p[1])
     if any(not r for r in runs):
-        return []
+        return ()
     per_dim = []
     for dim_runs in runs:
         pos, entries = 0, []
@@ -111,10 +141,10 @@ def local_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], coords: 
             entries.append((g, n, pos))
             pos += n
         per_dim.append(entries)
-    return [
+    return tuple(
         Box(tuple(e[0] for e in combo), tuple(e[1] for e in combo), tuple(e[2] for e in combo))
         for combo in itertools.product(*per_dim)
-    ]
+    )
 
 
 def intersect(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_len: Sequence[int]):

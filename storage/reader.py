@@ -5,7 +5,14 @@ shards cover (strided FSDP-over-TP shards included), looks each box up in a
 per-key `PieceIndex` (bisect, not all pairs), and groups the pieces it needs
 by file. Adjacent byte ranges are coalesced into one scatter read that puts
 whole pieces straight into their destination where it is contiguous; files are
-read concurrently. Every piece's CRC-32 is checked before the load returns.
+read concurrently, and within a file the next read runs while the previous one
+is checksummed. Every piece's CRC-32 is checked before the load returns.
+
+`ReadPlanner` decodes a checkpoint's index once and plans any number of
+ranks: keys whose pieces share a geometry (a parameter and its optimizer
+state, every layer's `wq`) share one lookup structure and its answers, which
+is what makes planning all ranks of a 512-rank load take well under a second
+in one process.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storage.boxes import PieceIndex
+from storage.boxes import Box, PieceIndex
 from storage.catalog import _manifest, read_index
 from storage.format import DTYPES, CheckpointError, Piece, crc32, step_dir
 from storage.fs import Store
@@ -23,6 +30,8 @@ from storage.state import local_view, state_tensors, tensor_boxes
 
 COALESCE_GAP = 1 << 20
 """Ranges of one file closer than this are read as one (the gap is read and dropped)."""
+COALESCE_MAX = 64 << 20
+"""A coalesced read stays under this size (unless one piece is larger), so checking overlaps with the next read."""
 
 
 @dataclass
@@ -30,91 +39,200 @@ class _Need:
     """One stored piece and the local regions it fills."""
 
     piece: Piece
-    copies: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = field(default_factory=list)
-    # (overlap offsets, overlap lengths, destination view of the local tensor)
+    copies: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    # (key, index of the local box, overlap offsets, overlap lengths)
 
 
-def plan_reads(pieces: list[Piece], template: dict[str, torch.Tensor], where: str) -> dict[str, list[_Need]]:
-    """Which pieces each local box needs, grouped by data file: {file: [_Need sorted by byte offset]}."""
-    by_key: dict[str, list[Piece]] = {}
-    for p in pieces:
-        by_key.setdefault(p.key, []).append(p)
-    needs: dict[tuple[str, int], _Need] = {}
-    for key, t in template.items():
-        stored = by_key.get(key)
+Target = tuple[tuple[int, ...], torch.Tensor, list[Box]]
+"""What a loading rank fills of one tensor: (global shape, local tensor, the boxes of the global tensor it holds)."""
+
+
+class ReadPlanner:
+    """A committed checkpoint's index, decoded and bucketed once: plans the reads of any number of loading ranks.
+
+    One process can plan every rank of a large job with it (and `load_shards`
+    uses one per load): a rank's plan is its local boxes looked up per key in a
+    `PieceIndex`, the pieces grouped by data file in byte order, and adjacent
+    ranges coalesced into single reads. Planning touches no tensor data.
+    """
+
+    def __init__(self, pieces: list[Piece], where: str, manifest: dict | None = None):
+        self.where = where
+        self.manifest = manifest
+        by_key: dict[str, list[Piece]] = {}
+        for p in pieces:
+            by_key.setdefault(p.key, []).append(p)
+        # Keys whose pieces have the same boxes (a parameter and its optimizer state, every layer's `wq`)
+        # share one geometry: its PieceIndex and the answers to its queries are computed once.
+        self._pieces: dict[str, list[Piece]] = {}
+        self._geometry: dict[str, int] = {}
+        shapes: dict[tuple, int] = {}
+        self._indexes: list[PieceIndex] = []
+        for key, stored in by_key.items():
+            stored.sort(key=lambda p: p.offsets)
+            self._pieces[key] = stored
+            signature = tuple((p.offsets, p.lengths) for p in stored)
+            gid = shapes.get(signature)
+            if gid is None:
+                gid = shapes[signature] = len(self._indexes)
+                self._indexes.append(PieceIndex([(p.offsets, p.lengths, j) for j, p in enumerate(stored)]))
+            self._geometry[key] = gid
+        self._answers: dict[tuple, list] = {}
+
+    @classmethod
+    def open(cls, uri: str, step: int, *, storage_options: dict | None = None) -> ReadPlanner:
+        """Read, check and decode the manifest and index of a committed checkpoint."""
+        store = Store(uri, storage_options)
+        manifest = _manifest(store, step)
+        return cls(read_index(store, step, manifest), store.describe(step_dir(step)), manifest)
+
+    def keys(self) -> list[str]:
+        return sorted(self._pieces)
+
+    def meta(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(global shape, dtype) of a stored tensor."""
+        stored = self._pieces.get(key)
         if not stored:
-            raise CheckpointError(f"{where}: the checkpoint has no tensor {key!r}")
-        first = stored[0]
-        if tuple(t.shape) != first.shape or DTYPES[first.dtype] != t.dtype:
-            raise CheckpointError(
-                f"{where}: {key!r} is {first.dtype}{list(first.shape)} in the checkpoint, {t.dtype}{list(t.shape)} here"
-            )
-        local, boxes = tensor_boxes(t)
-        index = PieceIndex([(p.offsets, p.lengths, p) for p in stored])
-        for box in boxes:
-            dest = local_view(local, box)
-            for p, offs, lens in index.overlapping(box.offsets, box.lengths):
-                view = dest
-                for d, (o, n) in enumerate(zip(offs, lens)):
-                    view = view.narrow(d, o - box.offsets[d], n)
-                need = needs.setdefault((p.file, p.byte_offset), _Need(p))
-                need.copies.append((offs, lens, view))
-    out: dict[str, list[_Need]] = {}
-    for need in needs.values():
-        out.setdefault(need.piece.file, []).append(need)
-    for file_needs in out.values():
-        file_needs.sort(key=lambda n: n.piece.byte_offset)
-    return out
+            raise CheckpointError(f"{self.where}: the checkpoint has no tensor {key!r}")
+        return stored[0].shape, DTYPES[stored[0].dtype]
+
+    def _overlaps(self, key: str, box: Box) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """(position among the key's pieces, overlap offsets, overlap lengths) of every stored piece the box overlaps."""
+        memo = (self._geometry[key], box.offsets, box.lengths)
+        hits = self._answers.get(memo)
+        if hits is None:
+            hits = self._answers[memo] = list(self._indexes[memo[0]].overlapping(box.offsets, box.lengths))
+        return hits
+
+    def plan(self, wants: dict[str, tuple[tuple[int, ...], torch.dtype, list[Box]]]) -> dict[str, list[list[_Need]]]:
+        """The reads of one rank: {file: coalesced groups of pieces in byte order}.
+
+        `wants` maps each key to (global shape, dtype, local boxes); every key
+        must exist in the checkpoint with that shape and dtype.
+        """
+        needs: dict[tuple[str, int], _Need] = {}
+        for key, (shape, dtype, boxes) in wants.items():
+            stored_shape, stored_dtype = self.meta(key)
+            if tuple(shape) != stored_shape or dtype != stored_dtype:
+                raise CheckpointError(
+                    f"{self.where}: {key!r} is {str(stored_dtype).removeprefix('torch.')}{list(stored_shape)} in the "
+                    f"checkpoint, {str(dtype).removeprefix('torch.')}{list(shape)} here"
+                )
+            if not boxes:
+                continue
+            stored = self._pieces[key]
+            for i, box in enumerate(boxes):
+                for j, offs, lens in self._overlaps(key, box):
+                    p = stored[j]
+                    need = needs.get((p.file, p.byte_offset))
+                    if need is None:
+                        need = needs[(p.file, p.byte_offset)] = _Need(p)
+                    need.copies.append((key, i, offs, lens))
+        by_file: dict[str, list[_Need]] = {}
+        for need in needs.values():
+            by_file.setdefault(need.piece.file, []).append(need)
+        out = {}
+        for rel in sorted(by_file):
+            file_needs = by_file[rel]
+            file_needs.sort(key=lambda n: n.piece.byte_offset)
+            out[rel] = _coalesce(file_needs)
+        return out
 
 
 def _coalesce(needs: list[_Need]) -> list[list[_Need]]:
+    """Group pieces (in byte order) into reads: gaps up to COALESCE_GAP are read through, a read stays under COALESCE_MAX."""
     groups: list[list[_Need]] = []
     for need in needs:
         if groups:
-            last = groups[-1][-1].piece
-            if need.piece.byte_offset - (last.byte_offset + last.nbytes) <= COALESCE_GAP:
+            first, last = groups[-1][0].piece, groups[-1][-1].piece
+            end = need.piece.byte_offset + need.piece.nbytes
+            if need.piece.byte_offset - (last.byte_offset + last.nbytes) <= COALESCE_GAP and end - first.byte_offset <= COALESCE_MAX:
                 groups[-1].append(need)
                 continue
         groups.append([need])
     return groups
 
 
-def _direct_target(need: _Need):
+def _views(need: _Need, targets: dict[str, tuple[torch.Tensor, list[Box]]]):
+    """(overlap offsets, overlap lengths, destination view) for every region of the local tensors a piece fills."""
+    for key, i, offs, lens in need.copies:
+        local, boxes = targets[key]
+        box = boxes[i]
+        view = local_view(local, box)
+        for d, (o, n) in enumerate(zip(offs, lens)):
+            view = view.narrow(d, o - box.offsets[d], n)
+        yield offs, lens, view
+
+
+def _direct_target(need: _Need, targets):
     """The destination's bytes when the piece lands whole in one contiguous CPU region: read straight into it."""
     if len(need.copies) != 1:
         return None
-    offs, lens, dest = need.copies[0]
+    offs, lens, dest = next(_views(need, targets))
     p = need.piece
     if (offs, lens) != (p.offsets, p.lengths) or dest.device.type != "cpu" or not dest.is_contiguous():
         return None
     return dest.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _load_file(store: Store, step: int, rel: str, needs: list[_Need]) -> None:
-    """Read the pieces of one file (coalesced, whole pieces straight into place), check each, copy the rest."""
-    requests, targets = [], []
-    for group in _coalesce(needs):
+def _load_file(store: Store, step: int, rel: str, groups: list[list[_Need]], targets) -> None:
+    """Read the pieces of one file (coalesced, whole pieces straight into place), check each, copy the rest.
+
+    Reads run one group ahead of the checking: the next range is being read
+    (the I/O releases the GIL) while the previous one is checksummed.
+    """
+    path = f"{step_dir(step)}/{rel}"
+    name = store.describe(path)
+    requests = []
+    for group in groups:
         start = pos = group[0].piece.byte_offset
-        buffers = []
+        buffers, checks = [], []
         for need in group:
             p = need.piece
             if p.byte_offset > pos:
                 buffers.append(bytearray(p.byte_offset - pos))
-            direct = _direct_target(need)
+            direct = _direct_target(need, targets)
             buf = direct if direct is not None else torch.empty(p.nbytes, dtype=torch.uint8).numpy()
             buffers.append(buf)
-            targets.append((need, buf, direct is not None))
+            checks.append((need, buf, direct is not None))
             pos = p.byte_offset + p.nbytes
-        requests.append((start, buffers, pos))
-    name = store.describe(f"{step_dir(step)}/{rel}")
-    try:
-        got = store.read_into(f"{step_dir(step)}/{rel}", [(start, buffers) for start, buffers, _ in requests])
-    except FileNotFoundError:
-        raise CheckpointError(f"{name} is missing") from None
-    for (start, _, end), n in zip(requests, got):
-        if n != end - start:
+        requests.append((start, buffers, pos, checks))
+
+    def read(request):
+        start, buffers, end, _ = request
+        try:
+            got = store.read_into(path, [(start, buffers)])[0]
+        except FileNotFoundError:
+            raise CheckpointError(f"{name} is missing") from None
+        if got != end - start:
             raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
-    for need, buf, direct in targets:
+
+    if store.local is None:  # object stores: one concurrent multi-range request for the whole file
+        try:
+            got = store.read_into(path, [(start, buffers) for start, buffers, _, _ in requests])
+        except FileNotFoundError:
+            raise CheckpointError(f"{name} is missing") from None
+        for (start, _, end, _), n in zip(requests, got):
+            if n != end - start:
+                raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
+        for request in requests:
+            _check_and_place(request[3], name, targets)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read-ahead") as ahead:
+        pending = ahead.submit(read, requests[0]) if requests else None
+        for i, request in enumerate(requests):
+            pending.result()
+            pending = ahead.submit(read, requests[i + 1]) if i + 1 < len(requests) else None
+            try:
+                _check_and_place(request[3], name, targets)
+            except BaseException:
+                if pending is not None:
+                    pending.cancel()
+                raise
+
+
+def _check_and_place(checks, name: str, targets) -> None:
+    for need, buf, direct in checks:
         p = need.piece
         if crc32(buf) != p.crc32:
             raise CheckpointError(
@@ -124,12 +242,35 @@ def _load_file(store: Store, step: int, rel: str, needs: list[_Need]) -> None:
         if direct:
             continue
         src = torch.from_numpy(buf).view(DTYPES[p.dtype]).view(p.lengths)
-        for offs, lens, dest in need.copies:
+        for offs, lens, dest in _views(need, targets):
             view = src
             for d, (o, n) in enumerate(zip(offs, lens)):
                 view = view.narrow(d, o - p.offsets[d], n)
             with torch.no_grad():
                 dest.copy_(view)
+
+
+def load_into(
+    uri: str, step: int, targets: dict[str, Target], *, planner: ReadPlanner | None = None, storage_options: dict | None = None
+) -> dict:
+    """Fill local tensors given by their boxes: {key: (global shape, local tensor, boxes)}; returns the manifest.
+
+    The tensors need not be DTensors: this is how one process plays any rank of
+    any layout (scale simulations), and what `load_shards` does with a
+    template's DTensors. Pass a `planner` (`ReadPlanner.open`) to decode the
+    index once for many loads of the same checkpoint.
+    """
+    store = Store(uri, storage_options)
+    if planner is None:
+        planner = ReadPlanner.open(uri, step, storage_options=storage_options)
+    plan = planner.plan({key: (shape, local.dtype, boxes) for key, (shape, local, boxes) in targets.items()})
+    # Detached: the loads write in place into views taken later, which autograd would forbid on a parameter's to_local().
+    places = {key: (local.detach(), boxes) for key, (_, local, boxes) in targets.items()}
+    if plan:
+        with ThreadPoolExecutor(max_workers=min(8, len(plan))) as pool:
+            for future in [pool.submit(_load_file, store, step, rel, groups, places) for rel, groups in plan.items()]:
+                future.result()
+    return planner.manifest
 
 
 def load_shards(uri: str, step: int, template: dict[str, torch.Tensor], *, storage_options: dict | None = None) -> dict:
@@ -139,15 +280,11 @@ def load_shards(uri: str, step: int, template: dict[str, torch.Tensor], *, stora
     CheckpointError the template's contents are undefined: pieces are read
     straight into place and checked there.
     """
-    store = Store(uri, storage_options)
-    manifest = _manifest(store, step)
-    pieces = read_index(store, step, manifest)
-    plan = plan_reads(pieces, template, store.describe(step_dir(step)))
-    if plan:
-        with ThreadPoolExecutor(max_workers=min(8, len(plan))) as pool:
-            for future in [pool.submit(_load_file, store, step, rel, needs) for rel, needs in plan.items()]:
-                future.result()
-    return manifest
+    targets = {}
+    for key, t in template.items():
+        local, boxes = tensor_boxes(t)
+        targets[key] = (tuple(t.shape), local, boxes)
+    return load_into(uri, step, targets, storage_options=storage_options)
 
 
 def load_training_state(uri: str, step: int, model_parts, optimizer=None, *, storage_options: dict | None = None) -> dict:

@@ -145,8 +145,27 @@ def _copies_outside(mesh) -> tuple[int, int]:
     return count, index
 
 
+def is_writer(key: str, shard_coords, replica_axes) -> bool:
+    """Whether this holder writes the piece of `key` at `shard_coords` (its coordinates along the sharded mesh dims).
+
+    `replica_axes` are (size, this rank's coordinate) along every axis whose
+    ranks hold the same piece, in a fixed order; exactly one coordinate along
+    them is picked, by a hash of key and shard coordinates, so different pieces
+    land on different replicas. Pure arithmetic: a simulation can decide for
+    any rank of any layout.
+    """
+    replicas, index = 1, 0
+    for size, coord in replica_axes:
+        replicas, index = replicas * size, index * size + coord
+    return zlib.crc32(f"{key}@{list(shard_coords)}".encode()) % replicas == index
+
+
 def _replica_choice(key: str, t: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
-    """Whether this rank is the one writer among the ranks that hold the same pieces of `t`."""
+    """Whether this rank is the one writer among the ranks that hold the same pieces of `t`.
+
+    The replica axes are the root-mesh dims the tensor's mesh does not span
+    (except `pp`), in root order, then the tensor mesh's dims that do not shard it.
+    """
     if isinstance(t, DTensor):
         mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
         sharded = [isinstance(p, (Shard, _StridedShard)) for p in t.placements]
@@ -160,11 +179,9 @@ def _replica_choice(key: str, t: torch.Tensor, tensors: dict[str, torch.Tensor])
         mesh, coords = anchor.device_mesh, anchor.device_mesh.get_coordinate()
         sharded = [False] * mesh.ndim
     replicas, index = _copies_outside(mesh)
-    for d, is_shard in enumerate(sharded):
-        if not is_shard:
-            replicas, index = replicas * mesh.shape[d], index * mesh.shape[d] + coords[d]
-    shard_coords = [c for c, is_shard in zip(coords, sharded) if is_shard]
-    return zlib.crc32(f"{key}@{shard_coords}".encode()) % replicas == index
+    axes = [(replicas, index)]
+    axes += [(mesh.shape[d], coords[d]) for d, is_shard in enumerate(sharded) if not is_shard]
+    return is_writer(key, [c for c, is_shard in zip(coords, sharded) if is_shard], axes)
 
 
 def plan_writes(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:

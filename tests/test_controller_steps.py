@@ -52,6 +52,10 @@ class ScriptedGroup:
     def stacks(self) -> dict[int, str]:
         return {r: ("--- thread train\n  dist.all_reduce(...)" if r != 1 else "--- thread train\n  next(loader)") for r in range(self.layout.world_size)}
 
+    def teardown(self, kill_ranks=(), grace_s: float = 1.0) -> int:
+        self.killed = list(kill_ranks)
+        return self.layout.world_size - len(self.killed)
+
     def shutdown(self) -> None:
         pass
 

@@ -9,6 +9,7 @@ never stopped, and loads the TP checkpoint at pp=2 x dp_shard=2 and back; the
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
@@ -149,3 +150,54 @@ def test_reshard_matrix(tmp_path):
     # Training goes on from the same state: the next loss matches the uninterrupted run's up to summation order.
     for got in (three[0]["fsdp4@dp_shard=3_loss2"], two[0]["fsdp4@dp_shard=2_loss2"]):
         assert torch.allclose(got, four[0]["fsdp4_loss2"], rtol=1e-5, atol=0)
+
+
+# -- 8 ranks: pp=2 x dp_shard=2 x tp=2 -> dp_shard=4 and back ------------------------------------------
+EIGHT = Layout(pp=2, dp_shard=2, tp=2)
+FOUR = Layout(dp_shard=4)
+
+
+def _save_at_eight(rank: int, world: int, root: str) -> dict:
+    """Train 2 steps at pp x dp_shard x tp, save, then take the third step uninterrupted (its loss is the reference)."""
+    pm, opt = _build(EIGHT)
+    for step in range(2):
+        _step(pm, opt, EIGHT, rank, step)
+    _save(f"{root}/eight", 2, rank, EIGHT, pm, opt)
+    out = {"eight": _full(storage.state_tensors(pm.model_parts, opt))}
+    out["eight_loss2"] = torch.tensor(_step(pm, opt, EIGHT, rank, 2), dtype=torch.float64)
+    return out
+
+
+def _four_from_eight(rank: int, world: int, root: str) -> dict:
+    """Load the 8-rank checkpoint at dp_shard=4, take step 2, save that state at dp_shard=4 (step 3)."""
+    out = _load_at(rank, world, root, {"eight": FOUR})  # loads, records the full state, takes step 2
+    pm, opt = _build(FOUR)
+    storage.load_shards(f"{root}/eight", 2, storage.state_tensors(pm.model_parts, opt))
+    _step(pm, opt, FOUR, rank, 2)
+    _save(f"{root}/four", 3, rank, FOUR, pm, opt)
+    out["four"] = _full(storage.state_tensors(pm.model_parts, opt))
+    return out
+
+
+def _eight_from_four(rank: int, world: int, root: str) -> dict:
+    pm, opt = _build(EIGHT)
+    storage.load_shards(f"{root}/four", 3, storage.state_tensors(pm.model_parts, opt))
+    return {"four@eight": _full(storage.state_tensors(pm.model_parts, opt))}
+
+
+@pytest.mark.slow
+def test_reshard_eight_ranks_pp_tp_fsdp_to_fsdp_and_back(tmp_path):
+    """pp=2 x dp_shard=2 x tp=2 (8 ranks) -> dp_shard=4 -> pp=2 x dp_shard=2 x tp=2, bitwise at each load.
+
+    Slow: three process groups (8, 4 and 8 ranks); the default suite covers
+    pp x tp and pp x dp_shard at 4 ranks above.
+    """
+    root = str(tmp_path)
+    eight = run_distributed(_save_at_eight, 8, root)
+    saved = _merged(eight, "eight")
+    assert storage.verify(f"{root}/eight", 2)["layout"] == EIGHT.as_dict()
+    four = run_distributed(_four_from_eight, 4, root)
+    _assert_bitwise(saved, _merged(four, f"eight@{FOUR}"), f"{EIGHT} -> {FOUR}")
+    assert torch.allclose(four[0][f"eight@{FOUR}_loss2"], eight[0]["eight_loss2"], rtol=1e-5, atol=0)
+    back = run_distributed(_eight_from_four, 8, root)
+    _assert_bitwise(_merged(four, "four"), _merged(back, "four@eight"), f"{FOUR} -> {EIGHT}")

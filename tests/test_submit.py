@@ -95,7 +95,7 @@ def _stop_sessions(procs: list[subprocess.Popen]) -> None:
             pass
     deadline = time.time() + 10
     for p in procs:
-        while (left := _session_pids(p.pid)) and time.time() < deadline:
+        while _session_pids(p.pid) and time.time() < deadline:
             time.sleep(0.5)
         for pid in _session_pids(p.pid):
             try:

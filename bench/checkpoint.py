@@ -1,0 +1,355 @@
+"""Checkpoint benchmark: this storage vs torch.distributed.checkpoint vs raw sequential I/O, same state, same disk.
+
+The state: 8 parameters of 4096 x 2816 fp32 with their AdamW `exp_avg` and
+`exp_avg_sq` (and `step` scalars), FSDP-sharded over 4 gloo processes
+(`Shard(0)` DTensors on a 1-D `dp_shard` mesh): about 1.1 GB in all, 277 MB
+per process, filled with seeded random values.
+
+1. Save (4 processes): raw (each process writes its bytes to one file,
+   fsync), this storage (`write_shards` + `gather_and_commit`, which fsyncs
+   every data file, the index and the manifest), DCP (`dcp.save` with
+   `FileSystemWriter(sync_files=True)`, which fsyncs its files). Then an async
+   save with `BackgroundWriter`: the training stall vs the synchronous save.
+2. Between saves and loads every file written is evicted from this machine's
+   page cache (`posix_fadvise(DONTNEED)` after the fsync: drop_caches is not
+   available), and each load runs in *fresh processes*, so loads read what a
+   previous process wrote, from the disk (or whatever cache the host keeps
+   below this VM).
+3. Load (4 fresh processes): raw (`preadv` into preallocated buffers), this
+   storage (`load_shards`, every piece's CRC-32 checked), DCP (`dcp.load`).
+   Every load is checked bitwise against the saved values (outside the timing).
+4. Reshard load (2 fresh processes, dp_shard=4 -> 2): this storage and DCP.
+5. Planning: the reads of all 512 ranks of two layouts, from a real checkpoint
+   of a simulated 1024-rank job (`tests/test_storage_sim_scale.py`).
+
+Figures are bytes of state / wall time of the slowest process, in GB/s (1e9).
+Writes `bench/results/checkpoint.json` and prints the markdown table for
+`bench/README.md`. Run with `make bench-checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+N_PARAMS, ROWS = 8, 4096
+COLS = int(os.environ.get("ELASTIC_BENCH_CKPT_COLS", "2816"))
+"""`--quick` shrinks the state (a smoke run of the whole script); the environment carries it to the spawned ranks."""
+STATES = ("model", "exp_avg", "exp_avg_sq")
+SAVE_WORLD, RESHARD_WORLD = 4, 2
+
+
+# -- the state ------------------------------------------------------------------------------------------
+def _key(state: str, i: int) -> str:
+    return f"model.layers.{i}.weight" if state == "model" else f"optim.layers.{i}.weight.{state}"
+
+
+def _chunk(key: str, rank: int, world: int) -> torch.Tensor:
+    """The rows of `key` that `rank` of `world` holds: the concatenation of the seeded blocks of the 4-way layout."""
+    per = SAVE_WORLD // world
+    parts = []
+    for r in range(rank * per, (rank + 1) * per):
+        g = torch.Generator().manual_seed(sum(map(ord, key)) * 1009 + r)
+        parts.append(torch.empty(ROWS // SAVE_WORLD, COLS).uniform_(-1, 1, generator=g))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def make_state(rank: int, world: int, *, fill: bool) -> dict[str, torch.Tensor]:
+    """The sharded state at `world` ranks: DTensors (Shard(0) over dp_shard) plus AdamW `step` scalars."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    out = {}
+    for i in range(N_PARAMS):
+        for state in STATES:
+            key = _key(state, i)
+            local = _chunk(key, rank, world) if fill else torch.empty(ROWS // world, COLS)
+            out[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(ROWS, COLS), stride=(COLS, 1))
+        out[f"optim.layers.{i}.weight.step"] = torch.tensor(float(100 + i)) if fill else torch.zeros(())
+    return out
+
+
+def state_bytes() -> int:
+    return N_PARAMS * (len(STATES) * ROWS * COLS * 4 + 4)
+
+
+def check_state(state: dict, rank: int, world: int) -> None:
+    """Bitwise: the loaded state is the saved one."""
+    want = make_state(rank, world, fill=True)
+    for key, t in state.items():
+        got = t.to_local() if hasattr(t, "to_local") else t
+        exp = want[key].to_local() if hasattr(want[key], "to_local") else want[key]
+        if not torch.equal(got.view(torch.int32), exp.view(torch.int32)):
+            raise AssertionError(f"rank {rank}/{world}: {key} differs after the load")
+
+
+# -- raw sequential I/O of the same bytes -------------------------------------------------------------------
+def _raw_buffers(state: dict) -> list:
+    return [(t.to_local() if hasattr(t, "to_local") else t).reshape(-1).view(torch.uint8).numpy() for _, t in sorted(state.items())]
+
+
+def raw_save(path: Path, state: dict) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for buf in _raw_buffers(state):
+            mv = memoryview(buf)
+            while mv:
+                mv = mv[f.write(mv):]
+        os.fsync(f.fileno())
+    fd = os.open(path.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def raw_load(path: Path, state: dict) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        bufs = _raw_buffers(state)
+        pos = 0
+        for buf in bufs:
+            mv = memoryview(buf)
+            while mv:
+                n = os.preadv(fd, [mv], pos)
+                if n <= 0:
+                    raise EOFError(path)
+                pos += n
+                mv = mv[n:]
+    finally:
+        os.close(fd)
+
+
+def evict(root: Path) -> None:
+    """Drop every file under `root` from the page cache (they are fsynced, so their pages are clean)."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# -- the phases (run on every rank) ---------------------------------------------------------------------------
+def _timed(fn) -> float:
+    """Wall time of `fn` across all ranks: barrier, run, barrier (the slowest rank decides)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def phase_save(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+
+    root = Path(root)
+    state = make_state(rank, world, fill=True)
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}
+    (root / "raw").mkdir(exist_ok=True)
+    out = {}
+
+    def ours(step: int) -> None:
+        rows = storage.write_shards(str(root / "ours"), step, rank, state)
+        storage.gather_and_commit(str(root / "ours"), step, rows, layout=layout, train_state={"step": step})
+
+    out["disk_write_s"] = _timed(lambda: raw_save(root / "raw" / f"rank{rank}.bin", state))
+    out["save_s"] = _timed(lambda: ours(1))
+    out["dcp_save_s"] = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(root / "dcp"), sync_files=True)))
+
+    # async: the stall is what training waits for; the save then completes in the background.
+    writer = storage.BackgroundWriter()
+    dist.barrier()
+    t0 = time.perf_counter()
+    future, stall = writer.submit(str(root / "ours"), 2, rank, state)
+    stalls = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(stalls, torch.tensor([stall], dtype=torch.float64))
+    rows = future.result()
+    storage.gather_and_commit(str(root / "ours"), 2, rows, layout=layout, train_state={"step": 2})
+    out["async_total_s"] = time.perf_counter() - t0
+    writer.close()
+    out["async_stall_s"] = max(float(s.item()) for s in stalls)
+    dist.barrier()
+    if rank == 0:
+        storage.retain(str(root / "ours"), 1)  # the async save (step 2) is the same state; the loads use it
+        evict(root)
+    dist.barrier()
+    return out
+
+
+def phase_load(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+
+    root = Path(root)
+    out = {}
+    state = make_state(rank, world, fill=False)
+    out["disk_read_s"] = _timed(lambda: raw_load(root / "raw" / f"rank{rank}.bin", state))
+    check_state(state, rank, world)
+    state = make_state(rank, world, fill=False)
+    out["load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), 2, state))
+    check_state(state, rank, world)
+    state = make_state(rank, world, fill=False)
+    out["dcp_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))
+    check_state(state, rank, world)
+    dist.barrier()
+    if rank == 0:
+        evict(root)
+    dist.barrier()
+    return out
+
+
+def phase_reshard(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import storage
+
+    root = Path(root)
+    out = {}
+    state = make_state(rank, world, fill=False)
+    out["reshard_load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), 2, state))
+    check_state(state, rank, world)
+    state = make_state(rank, world, fill=False)
+    out["dcp_reshard_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))
+    check_state(state, rank, world)
+    return out
+
+
+# -- process harness ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, phase: str, root: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=900))
+    try:
+        result = PHASES[phase](rank, world, root)
+        Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out_dir, f"{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+PHASES = {"save": phase_save, "load": phase_load, "reshard": phase_reshard}
+
+
+def run_phase(phase: str, world: int, root: str) -> dict:
+    """Run a phase on `world` fresh processes; returns rank 0's figures (all ranks time the same barriers)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_entry, args=(world, _free_port(), out_dir, phase, root), nprocs=world, start_method="spawn")
+        except Exception as exc:
+            errors = sorted(Path(out_dir).glob("*.err"))
+            raise RuntimeError(f"phase {phase} failed: {exc}\n{errors[0].read_text() if errors else ''}") from None
+        return json.loads(Path(out_dir, "0.json").read_text())
+
+
+def plan_512_ranks() -> dict:
+    """Plan the reads of all 512 ranks of both target layouts of the 1024-rank simulation (see its test)."""
+    import test_storage_sim_scale as sim
+
+    saved, loads = sim.FULL
+    result = sim.simulate(saved, loads, check_data=False)
+    per_layout = {str(layout): round(result[str(layout)]["plan_s"], 4) for layout in loads}
+    return {"plan_512_ranks_s": max(per_layout.values()), "plan_512_ranks_by_layout_s": per_layout,
+            "sim_checkpoint_rows": result["rows"], "sim_checkpoint_files": result["files"]}
+
+
+def machine(root: Path) -> dict:
+    usage = shutil.disk_usage(root)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpus": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "bench_dir": str(root),
+            "disk_total_gib": round(usage.total / 2**30), "load_average_at_start": list(os.getloadavg())}
+
+
+def table(r: dict) -> str:
+    g = lambda k: f"{r[k]:.3f}"  # noqa: E731
+    lines = [
+        f"State: {r['bytes'] / 1e9:.2f} GB (FSDP dp_shard={SAVE_WORLD}: {N_PARAMS} params {ROWS}x{COLS} fp32 + AdamW state), "
+        f"{r['machine']['cpus']} CPUs, load average {r['machine']['load_average_at_start'][0]:.1f} at start.",
+        "",
+        "| GB/s (higher is better) | this storage | torch DCP | raw disk |",
+        "|---|---|---|---|",
+        f"| save, 4 processes, fsynced | {g('save_gbps')} | {g('dcp_save_gbps')} | {g('disk_write_gbps')} |",
+        f"| load, 4 fresh processes | {g('load_gbps')} | {g('dcp_load_gbps')} | {g('disk_read_gbps')} |",
+        f"| load at 2 processes (reshard 4 -> 2) | {g('reshard_load_gbps')} | {g('dcp_reshard_load_gbps')} | |",
+        "",
+        "| seconds | |",
+        "|---|---|",
+        f"| synchronous save | {r['sync_save_s']:.2f} |",
+        f"| async save: training stall | {r['async_stall_s']:.3f} ({100 * r['async_stall_s'] / r['sync_save_s']:.1f}% of a synchronous save) |",
+        f"| async save: until committed | {r['async_total_s']:.2f} |",
+        f"| plan the reads of all 512 ranks (1024-rank checkpoint) | {r['plan_512_ranks_s']:.3f} |",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir under /tmp)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.json"))
+    parser.add_argument("--quick", action="store_true", help="a smoke run: a 36 MB state, no planning figure, result to /tmp")
+    args = parser.parse_args()
+    if args.quick:
+        os.environ["ELASTIC_BENCH_CKPT_COLS"] = "96"
+        globals()["COLS"] = 96
+        args.out = os.path.join(tempfile.gettempdir(), "checkpoint-quick.json")
+    base = Path(tempfile.mkdtemp(prefix="elastic-bench-ckpt-", dir=args.dir))
+    started = time.perf_counter()
+    try:
+        result = {"bytes": state_bytes(), "machine": machine(base)}
+        print(f"state {result['bytes'] / 1e9:.2f} GB in {base}", flush=True)
+        result.update(run_phase("save", SAVE_WORLD, str(base)))
+        print("saved", flush=True)
+        result.update(run_phase("load", SAVE_WORLD, str(base)))
+        print("loaded", flush=True)
+        result.update(run_phase("reshard", RESHARD_WORLD, str(base)))
+        print("resharded", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    result.update(plan_512_ranks() if not args.quick else {"plan_512_ranks_s": float("nan")})
+    b = result["bytes"]
+    for name in ("save", "dcp_save", "disk_write", "load", "dcp_load", "disk_read", "reshard_load", "dcp_reshard_load"):
+        result[f"{name}_gbps"] = b / result[f"{name}_s"] / 1e9
+    result["sync_save_s"] = result["save_s"]
+    result["bench_wall_s"] = time.perf_counter() - started
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(table(result))
+    print(f"wrote {args.out} ({result['bench_wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Strategy benchmark: each parallel layout under the manager and as plain torch.distributed.
+
+For every layout of the correctness matrix (issue 3) the same job config runs
+for a fixed number of steps twice in this one run:
+
+  (a) under the manager: `elastic.job.run_job` on an embedded Ray cluster
+      (one node, one worker actor per rank, the controller polling them),
+      with no faults and no checkpoint before the last step;
+  (b) as plain torch.distributed: `bench/plain.py` spawns one process per
+      rank, joins them with gloo on 127.0.0.1 and runs the same
+      `elastic.train.Trainer` with the same config and layout.
+
+Both sides are timed from the ranks' own `step` progress records with one
+definition (`bench.plain.step_times`: the gap between consecutive step
+completions of the slowest rank). The first `--warmup` steps and the last
+step (it is followed by the run's final checkpoint save) are left out; the
+median of the rest is `step_s` (manager) and `baseline_step_s` (plain).
+Layouts alternate which side runs first (a-b, then b-a), and `--rounds 2`
+runs a-b-b-a per layout, so slow drift of the machine's load cancels. Both sides use the
+same torch thread count (the worker's rule, `ELASTIC_TORCH_THREADS`, 1 by
+default) and OMP_NUM_THREADS.
+
+Correctness: the manager's per-step losses (from its report) are compared
+with a single-process reference that uses none of `strategies/` (plain
+model, AdamW, clipping, the same LR schedule and the same samples):
+`max_rel_diff_vs_reference` is max over steps of |loss - ref| / |ref|, which
+bounds both the L2- and the max-norm relative difference of the loss vectors.
+
+    make bench-strategies                 # or: python bench/strategies.py [--steps N] [--only NAME ...]
+
+writes bench/results/strategies.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # embedded Ray on loopback only
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+import elastic.job  # noqa: E402
+from bench.plain import layout_for, losses_from, run_plain, step_times, torch_threads  # noqa: E402
+from elastic.config import JobConfig, load_config  # noqa: E402
+from elastic.controller import Controller  # noqa: E402
+from elastic.data import GlobalSampler, SyntheticTokens  # noqa: E402
+from elastic.model import build_model, initial_state, token_loss_sum  # noqa: E402
+from elastic.train import lr_at  # noqa: E402
+
+BASE_CONFIG = ROOT / "deploy" / "examples" / "demo.yaml"
+RESULTS = ROOT / "bench" / "results" / "strategies.json"
+
+# The layouts of the issue-3 correctness matrix, as `--set` overrides of the demo config.
+LAYOUTS: list[tuple[str, int, list[str]]] = [
+    ("dp_shard=4", 4, ["parallel.dp_shard=4"]),
+    ("hsdp 2x2", 4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    ("tp=2", 2, ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=false"]),
+    ("tp=2 +sp", 2, ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"]),
+    ("pp=2 gpipe", 2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=gpipe"]),
+    ("pp=2 1f1b", 2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=1f1b"]),
+    ("pp=2 interleaved_1f1b", 2, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=interleaved_1f1b"]),
+    ("pp=2 x tp=2", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=1"]),
+    ("pp=2 x dp_shard=2 x tp=2", 8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"]),
+]
+
+# A small model (4 blocks, so interleaved 1F1B has 2 virtual stages per rank) with every degree divisible by 2.
+MODEL = [
+    "model.vocab_size=256", "model.dim=128", "model.n_layers=4", "model.n_heads=4",
+    "model.ffn_dim=512", "model.max_seq_len=32", "data.seq_len=32",
+    "training.global_batch=32", "training.micro_batch=8", "training.warmup_steps=5",
+]
+
+
+def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path) -> JobConfig:
+    sets = MODEL + layout_sets + [
+        f"name=bench-{name.replace(' ', '_').replace('=', '').replace('+', '')}",
+        f"run_root={workdir / 'runs'}",
+        f"training.steps={steps}",
+        f"scaling.num_workers={world}",
+        f"scaling.min_workers={world}",
+        "scaling.max_workers=0",
+        f"scaling.workers_per_node={world}",  # one simulated node: the plain side is one machine too
+        "fault.inject=[]",
+        "fault.hang_floor_s=120",  # a loaded 2-core machine must not trip the calibrated hang deadline
+        f"checkpoint.uri={workdir / 'ckpt'}",
+        f"checkpoint.every_steps={steps + 1000}",  # no periodic save; the final step's save is not timed
+        "checkpoint.resume=false",
+        "checkpoint.async_save=false",
+    ]
+    return load_config(BASE_CONFIG, sets)
+
+
+# -- (a) the manager, with every rank's step records captured ------------------------------------
+class _RecordingController(Controller):
+    """The controller unchanged, keeping a copy of every rank's step records of the current generation."""
+
+    captured: dict[int, list[dict]] = {}
+
+    def _absorb(self, rank: int, poll: dict, now: float) -> None:
+        if poll["generation"] == self.generation:
+            _RecordingController.captured.setdefault(rank, []).extend(
+                dict(r) for r in poll["records"] if r["kind"] in ("ready", "step")
+            )
+        super()._absorb(rank, poll, now)
+
+
+def run_manager(cfg: JobConfig) -> tuple[list[list[dict]], dict]:
+    _RecordingController.captured = {}
+    original = elastic.job.Controller
+    elastic.job.Controller = _RecordingController  # the only thing swapped: run_job builds its controller from this name
+    try:
+        report = elastic.job.run_job(cfg, quiet=True, fresh=True)
+    finally:
+        elastic.job.Controller = original
+    if report["state"] != "FINISHED" or report["generations"] != 1 or report["failures_detected"]:
+        raise RuntimeError(f"manager run did not finish cleanly in one generation: {report['state']} {report['reason']}")
+    captured = _RecordingController.captured
+    return [captured.get(r, []) for r in range(len(captured))], report
+
+
+# -- the single-process reference (no strategies code) ----------------------------------------------
+def reference_losses(cfg: JobConfig) -> list[float]:
+    torch.set_num_threads(torch_threads())
+    model = build_model(cfg.model, device="cpu")
+    model.load_state_dict(initial_state(build_model(cfg.model), cfg.training.seed), strict=True)
+    t = cfg.training
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
+    data = SyntheticTokens(cfg.data, cfg.model.vocab_size)
+    sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, t.global_batch)
+    tokens = t.global_batch * cfg.data.seq_len
+    losses = []
+    for step in range(t.steps):
+        inputs, labels = data.batch(sampler.global_indices(step))
+        loss_sum = token_loss_sum(model(inputs), labels)
+        (loss_sum / tokens).backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss_sum.item() / tokens)
+    return losses
+
+
+def max_rel_diff(got: list[float], ref: list[float]) -> float:
+    if len(got) != len(ref):
+        raise RuntimeError(f"{len(got)} losses vs {len(ref)} reference losses")
+    return max(abs(g - r) / max(abs(r), 1e-30) for g, r in zip(got, ref))
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+def machine() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "processor": platform.processor() or platform.machine(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "torch_threads_per_rank": torch_threads(),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def bench_layout(name: str, world: int, sets: list[str], args, index: int, workdir: Path) -> dict:
+    cfg = job_config(name, world, sets, args.steps, workdir)
+    layout = layout_for(cfg)
+    if layout.world_size != world:
+        raise RuntimeError(f"{name}: the manager would run {layout} ({layout.world_size} ranks), not {world}")
+    first, last = args.warmup, args.steps - 2  # leave out warm-up and the last step (the final save follows it)
+    order = ["manager", "plain"] if index % 2 == 0 else ["plain", "manager"]
+    if args.rounds == 2:
+        order = order + order[::-1]
+    samples: dict[str, list[float]] = {"manager": [], "plain": []}
+    manager_losses = plain_losses = None
+    for side in order:
+        t0 = time.time()
+        if side == "manager":
+            records, report = run_manager(cfg)
+            manager_losses = report["losses"]
+        else:
+            with tempfile.TemporaryDirectory(prefix="plain-ckpt-", dir=workdir) as ckpt:
+                plain_cfg = cfg.model_copy(deep=True)
+                plain_cfg.checkpoint.uri = ckpt
+                records = run_plain(plain_cfg, layout)
+            plain_losses = losses_from(records, cfg)
+        times = step_times(records, first, last)
+        samples[side] += list(times.values())
+        print(f"  {name:28s} {side:7s} median {statistics.median(times.values()):.4f}s over {len(times)} steps ({time.time() - t0:.1f}s wall)", flush=True)
+    ref = reference_losses(cfg)
+    step_s = statistics.median(samples["manager"])
+    base_s = statistics.median(samples["plain"])
+    return {
+        "layout": name,
+        "world": world,
+        "mesh": layout.as_dict(),
+        "max_rel_diff_vs_reference": max_rel_diff(manager_losses, ref),
+        "plain_max_rel_diff_vs_reference": max_rel_diff(plain_losses, ref),
+        "step_s": step_s,
+        "baseline_step_s": base_s,
+        "overhead_ratio": step_s / base_s,
+        "steps_timed_per_run": last - first + 1,
+        "order": order,
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        "| layout | world | step_s (manager) | step_s (plain) | overhead_ratio | max_rel_diff_vs_reference |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["layouts"]:
+        lines.append(
+            f"| {r['layout']} | {r['world']} | {r['step_s']:.4f} | {r['baseline_step_s']:.4f} | "
+            f"{r['overhead_ratio']:.3f} | {r['max_rel_diff_vs_reference']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Each parallel layout under the manager vs plain torch.distributed.")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the median (default 5)")
+    parser.add_argument("--rounds", type=int, choices=(1, 2), default=1, help="1: a-b per layout, the order alternating between layouts (default); 2: a-b-b-a per layout")
+    parser.add_argument("--only", action="append", default=[], help="run only layouts with this name (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.steps < args.warmup + 3:
+        parser.error("--steps must leave at least 2 timed steps after --warmup and before the last step")
+    selected = [(n, w, s) for n, w, s in LAYOUTS if not args.only or n in args.only]
+    if not selected:
+        parser.error(f"--only matches no layout; layouts: {[n for n, _, _ in LAYOUTS]}")
+    t0 = time.time()
+    result = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds, "layouts": []}
+    with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
+        for i, (name, world, sets) in enumerate(selected):
+            result["layouts"].append(bench_layout(name, world, sets, args, i, Path(tmp)))
+    result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    result["wall_s"] = time.time() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"\nwrote {args.out} in {result['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
