@@ -109,18 +109,6 @@ class Log:
 # The data-parallel step shared by the baselines: the same model, data, optimizer, FSDP and
 # learning-rate schedule as elastic's Trainer (elastic/train.py), without the manager.
 # --------------------------------------------------------------------------------------------
-def lr_at(step: int, cfg) -> float:
-    """elastic.train.lr_at, copied so the baselines need not import elastic's checkpoint stack."""
-    import math
-
-    t = cfg.training
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 class DPStep:
     def __init__(self, cfg, world: int, rank: int):
         import torch
@@ -144,6 +132,7 @@ class DPStep:
         self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, t.global_batch)
 
     def step(self, step: int) -> float:
+        from elastic.train import lr_at
         from strategies import clip_grad_norm
 
         cfg, layout = self.cfg, self.layout
@@ -153,7 +142,7 @@ class DPStep:
         loss_sum = self.pm.forward_backward(inputs, labels, scale)
         clip_grad_norm(self.pm, cfg.training.grad_clip)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg)  # the same schedule as elastic's Trainer
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss_sum)
