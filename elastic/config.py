@@ -178,6 +178,11 @@ class JobConfig(_Section):
                     raise ValueError(f"{field} ({value}) must be divisible by parallel.tp ({self.parallel.tp})")
         if self.parallel.tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({self.parallel.tp}) with sequence parallel")
+        wpn = self.scaling.workers_per_node
+        if self.parallel.tp > 1 and wpn and wpn % self.parallel.tp:
+            raise ValueError(
+                f"scaling.workers_per_node ({wpn}) must be a multiple of parallel.tp ({self.parallel.tp}): a TP group stays on one node"
+            )
         if self.parallel.pp > self.model.n_layers:
             raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layers ({self.model.n_layers})")
         return self

@@ -22,6 +22,7 @@ def test_demo_config_loads():
         (["checkpoint.uri=../../etc"], "checkpoint.uri"),
         (["name=a/b"], "name"),
         (["name=.."], "name"),
+        (["parallel.tp=4", "scaling.num_workers=8", "data.seq_len=16"], "scaling.workers_per_node"),
         (["data.seq_len=64"], "data.seq_len"),
     ],
 )
