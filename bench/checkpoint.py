@@ -8,21 +8,25 @@ per process, filled with seeded random values.
 1. Save (4 processes): raw (each process writes its bytes to one file,
    fsync), this storage (`write_shards` + `gather_and_commit`, which fsyncs
    every data file, the index and the manifest), DCP (`dcp.save` with
-   `FileSystemWriter(sync_files=True)`, which fsyncs its files). Then an async
-   save with `BackgroundWriter`: the training stall vs the synchronous save.
+   `FileSystemWriter(sync_files=True)`, which fsyncs its files); `ROUNDS`
+   rounds, the methods taking turns going first, each into an empty target.
+   Then `ASYNC_SAVES` async saves in a row with one `BackgroundWriter`: the
+   training stall vs the synchronous save, for the first save (which
+   allocates the snapshot buffers) and in the steady state (which reuses them).
 2. Between saves and loads every file written is evicted from this machine's
    page cache (`posix_fadvise(DONTNEED)` after the fsync: drop_caches is not
    available), and each load runs in *fresh processes*, so loads read what a
    previous process wrote, from the disk (or whatever cache the host keeps
    below this VM).
-3. Load (4 fresh processes): raw (`preadv` into preallocated buffers), this
+3. Load (4 fresh processes, `ROUNDS` times, the order rotating): raw (`preadv` into preallocated buffers), this
    storage (`load_shards`, every piece's CRC-32 checked), DCP (`dcp.load`).
    Every load is checked bitwise against the saved values (outside the timing).
-4. Reshard load (2 fresh processes, dp_shard=4 -> 2): this storage and DCP.
+4. Reshard load (2 fresh processes, dp_shard=4 -> 2, `ROUNDS` times): this storage and DCP.
 5. Planning: the reads of all 512 ranks of two layouts, from a real checkpoint
    of a simulated 1024-rank job (`tests/test_storage_sim_scale.py`).
 
-Figures are bytes of state / wall time of the slowest process, in GB/s (1e9).
+Figures are bytes of state / wall time of the slowest process, in GB/s (1e9),
+the median of the rounds (every sample is in the JSON, `*_samples`).
 Writes `bench/results/checkpoint.json` and prints the markdown table for
 `bench/README.md`. Run with `make bench-checkpoint`.
 """
@@ -35,6 +39,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +61,10 @@ COLS = int(os.environ.get("ELASTIC_BENCH_CKPT_COLS", "2816"))
 """`--quick` shrinks the state (a smoke run of the whole script); the environment carries it to the spawned ranks."""
 STATES = ("model", "exp_avg", "exp_avg_sq")
 SAVE_WORLD, RESHARD_WORLD = 4, 2
+ROUNDS = int(os.environ.get("ELASTIC_BENCH_CKPT_ROUNDS", "3"))
+"""Every figure is the median of this many runs; the three methods take turns going first (the disk's speed drifts)."""
+ASYNC_SAVES = 4
+"""Async saves in a row: the first allocates the snapshot buffers, the rest show the steady-state stall."""
 
 
 # -- the state ------------------------------------------------------------------------------------------
@@ -158,6 +167,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _rotated(r: int) -> list[str]:
+    """The order of the three methods in round `r`: each goes first, second and third in turn."""
+    methods = ["raw", "ours", "dcp"]
+    return methods[r % 3 :] + methods[: r % 3]
+
+
+def _ours_step(root: Path) -> int:
+    import storage
+
+    return storage.list_checkpoints(str(root / "ours"))[0]["step"]
+
+
 def phase_save(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -167,52 +188,71 @@ def phase_save(rank: int, world: int, root: str) -> dict:
     state = make_state(rank, world, fill=True)
     layout = {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}
     (root / "raw").mkdir(exist_ok=True)
-    out = {}
+    out = {"disk_write_s_samples": [], "save_s_samples": [], "dcp_save_s_samples": []}
+    step = 0
 
     def ours(step: int) -> None:
         rows = storage.write_shards(str(root / "ours"), step, rank, state)
         storage.gather_and_commit(str(root / "ours"), step, rows, layout=layout, train_state={"step": step})
 
-    out["disk_write_s"] = _timed(lambda: raw_save(root / "raw" / f"rank{rank}.bin", state))
-    out["save_s"] = _timed(lambda: ours(1))
-    out["dcp_save_s"] = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(root / "dcp"), sync_files=True)))
+    for r in range(ROUNDS):
+        for method in _rotated(r):
+            if rank == 0:  # every save starts from an empty target (the barrier in _timed waits for this)
+                if method == "raw":
+                    for f in (root / "raw").iterdir():
+                        f.unlink()
+                else:
+                    shutil.rmtree(root / method, ignore_errors=True)
+            step += 1
+            if method == "raw":
+                out["disk_write_s_samples"].append(_timed(lambda: raw_save(root / "raw" / f"rank{rank}.bin", state)))
+            elif method == "ours":
+                out["save_s_samples"].append(_timed(lambda: ours(step)))  # noqa: B023 - called at once
+            else:
+                writer = dcp.FileSystemWriter(str(root / "dcp"), sync_files=True)
+                out["dcp_save_s_samples"].append(_timed(lambda: dcp.save(state, storage_writer=writer)))  # noqa: B023
 
-    # async: the stall is what training waits for; the save then completes in the background.
+    # async: the stall is what training waits for; the save then completes in the background. Several saves in a
+    # row, as in training: the first allocates the snapshot buffers, the later ones reuse them (steady state).
     writer = storage.BackgroundWriter()
-    dist.barrier()
-    t0 = time.perf_counter()
-    future, stall = writer.submit(str(root / "ours"), 2, rank, state)
-    stalls = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(stalls, torch.tensor([stall], dtype=torch.float64))
-    rows = future.result()
-    storage.gather_and_commit(str(root / "ours"), 2, rows, layout=layout, train_state={"step": 2})
-    out["async_total_s"] = time.perf_counter() - t0
+    out["async_stalls_s"], out["async_totals_s"] = [], []
+    for _ in range(ASYNC_SAVES):
+        step += 1
+        dist.barrier()
+        t0 = time.perf_counter()
+        future, stall = writer.submit(str(root / "ours"), step, rank, state)
+        stalls = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(stalls, torch.tensor([stall], dtype=torch.float64))
+        rows = future.result()
+        storage.gather_and_commit(str(root / "ours"), step, rows, layout=layout, train_state={"step": step})
+        out["async_totals_s"].append(time.perf_counter() - t0)
+        out["async_stalls_s"].append(max(float(s.item()) for s in stalls))
     writer.close()
-    out["async_stall_s"] = max(float(s.item()) for s in stalls)
     dist.barrier()
     if rank == 0:
-        storage.retain(str(root / "ours"), 1)  # the async save (step 2) is the same state; the loads use it
+        storage.retain(str(root / "ours"), 1)  # the last async save is the same state; the loads use it
         evict(root)
     dist.barrier()
     return out
 
 
-def phase_load(rank: int, world: int, root: str) -> dict:
+def phase_load(rank: int, world: int, root: str, r: int = 0) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import storage
 
     root = Path(root)
     out = {}
-    state = make_state(rank, world, fill=False)
-    out["disk_read_s"] = _timed(lambda: raw_load(root / "raw" / f"rank{rank}.bin", state))
-    check_state(state, rank, world)
-    state = make_state(rank, world, fill=False)
-    out["load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), 2, state))
-    check_state(state, rank, world)
-    state = make_state(rank, world, fill=False)
-    out["dcp_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))
-    check_state(state, rank, world)
+    step = _ours_step(root)
+    for method in _rotated(r):
+        state = make_state(rank, world, fill=False)
+        if method == "raw":
+            out["disk_read_s"] = _timed(lambda: raw_load(root / "raw" / f"rank{rank}.bin", state))  # noqa: B023
+        elif method == "ours":
+            out["load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), step, state))  # noqa: B023
+        else:
+            out["dcp_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))  # noqa: B023
+        check_state(state, rank, world)
     dist.barrier()
     if rank == 0:
         evict(root)
@@ -220,19 +260,25 @@ def phase_load(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def phase_reshard(rank: int, world: int, root: str) -> dict:
+def phase_reshard(rank: int, world: int, root: str, r: int = 0) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import storage
 
     root = Path(root)
     out = {}
-    state = make_state(rank, world, fill=False)
-    out["reshard_load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), 2, state))
-    check_state(state, rank, world)
-    state = make_state(rank, world, fill=False)
-    out["dcp_reshard_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))
-    check_state(state, rank, world)
+    step = _ours_step(root)
+    for method in (["ours", "dcp"] if r % 2 == 0 else ["dcp", "ours"]):
+        state = make_state(rank, world, fill=False)
+        if method == "ours":
+            out["reshard_load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), step, state))  # noqa: B023
+        else:
+            out["dcp_reshard_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))  # noqa: B023
+        check_state(state, rank, world)
+    dist.barrier()
+    if rank == 0:
+        evict(root)
+    dist.barrier()
     return out
 
 
@@ -243,13 +289,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, phase: str, root: str) -> None:
+def _entry(rank: int, world: int, port: int, out_dir: str, phase: str, root: str, r: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
     try:
-        result = PHASES[phase](rank, world, root)
+        result = PHASES[phase](rank, world, root) if phase == "save" else PHASES[phase](rank, world, root, r)
         Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     except BaseException:
         Path(out_dir, f"{rank}.err").write_text(traceback.format_exc())
@@ -264,11 +310,11 @@ def _entry(rank: int, world: int, port: int, out_dir: str, phase: str, root: str
 PHASES = {"save": phase_save, "load": phase_load, "reshard": phase_reshard}
 
 
-def run_phase(phase: str, world: int, root: str) -> dict:
+def run_phase(phase: str, world: int, root: str, r: int = 0) -> dict:
     """Run a phase on `world` fresh processes; returns rank 0's figures (all ranks time the same barriers)."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, _free_port(), out_dir, phase, root), nprocs=world, start_method="spawn")
+            mp.start_processes(_entry, args=(world, _free_port(), out_dir, phase, root, r), nprocs=world, start_method="spawn")
         except Exception as exc:
             errors = sorted(Path(out_dir).glob("*.err"))
             raise RuntimeError(f"phase {phase} failed: {exc}\n{errors[0].read_text() if errors else ''}") from None
@@ -298,7 +344,8 @@ def table(r: dict) -> str:
     g = lambda k: f"{r[k]:.3f}"  # noqa: E731
     lines = [
         f"State: {r['bytes'] / 1e9:.2f} GB (FSDP dp_shard={SAVE_WORLD}: {N_PARAMS} params {ROWS}x{COLS} fp32 + AdamW state), "
-        f"{r['machine']['cpus']} CPUs, load average {r['machine']['load_average_at_start'][0]:.1f} at start.",
+        f"{r['machine']['cpus']} CPUs, load average {r['machine']['load_average_at_start'][0]:.1f} at start; "
+        f"each figure the median of {r['rounds']} runs, the methods taking turns going first.",
         "",
         "| GB/s (higher is better) | this storage | torch DCP | raw disk |",
         "|---|---|---|---|",
@@ -309,8 +356,15 @@ def table(r: dict) -> str:
         "| seconds | |",
         "|---|---|",
         f"| synchronous save | {r['sync_save_s']:.2f} |",
-        f"| async save: training stall | {r['async_stall_s']:.3f} ({100 * r['async_stall_s'] / r['sync_save_s']:.1f}% of a synchronous save) |",
-        f"| async save: until committed | {r['async_total_s']:.2f} |",
+        (
+            f"| async save: training stall, steady state (saves 2-{len(r['async_stalls_s'])}, median) | {r['async_stall_s']:.3f} "
+            f"({100 * r['async_stall_s'] / r['sync_save_s']:.1f}% of a synchronous save) |"
+        ),
+        (
+            f"| async save: training stall, first save (allocates the snapshot buffers) | {r['async_first_stall_s']:.3f} "
+            f"({100 * r['async_first_stall_s'] / r['sync_save_s']:.1f}%) |"
+        ),
+        f"| async save: until committed (steady state) | {r['async_total_s']:.2f} |",
         f"| plan the reads of all 512 ranks (1024-rank checkpoint) | {r['plan_512_ranks_s']:.3f} |",
     ]
     return "\n".join(lines)
@@ -333,17 +387,26 @@ def main() -> None:
         print(f"state {result['bytes'] / 1e9:.2f} GB in {base}", flush=True)
         result.update(run_phase("save", SAVE_WORLD, str(base)))
         print("saved", flush=True)
-        result.update(run_phase("load", SAVE_WORLD, str(base)))
+        for r in range(ROUNDS):  # fresh processes every time: each load reads what an earlier process wrote
+            for k, v in run_phase("load", SAVE_WORLD, str(base), r).items():
+                result.setdefault(f"{k}_samples", []).append(v)
         print("loaded", flush=True)
-        result.update(run_phase("reshard", RESHARD_WORLD, str(base)))
+        for r in range(ROUNDS):
+            for k, v in run_phase("reshard", RESHARD_WORLD, str(base), r).items():
+                result.setdefault(f"{k}_samples", []).append(v)
         print("resharded", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result.update(plan_512_ranks() if not args.quick else {"plan_512_ranks_s": float("nan")})
     b = result["bytes"]
     for name in ("save", "dcp_save", "disk_write", "load", "dcp_load", "disk_read", "reshard_load", "dcp_reshard_load"):
+        result[f"{name}_s"] = statistics.median(result[f"{name}_s_samples"])
         result[f"{name}_gbps"] = b / result[f"{name}_s"] / 1e9
     result["sync_save_s"] = result["save_s"]
+    result["async_first_stall_s"] = result["async_stalls_s"][0]
+    result["async_stall_s"] = statistics.median(result["async_stalls_s"][1:])  # steady state: buffers reused
+    result["async_total_s"] = statistics.median(result["async_totals_s"][1:])
+    result["rounds"] = ROUNDS
     result["bench_wall_s"] = time.perf_counter() - started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

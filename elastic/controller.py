@@ -227,7 +227,7 @@ class Controller:
         if self.state is State.RUNNING and now >= self.next_grow_check:
             self.next_grow_check = now + 1.0
             self._maybe_grow()
-        phases = {s.poll["phase"] for s in statuses if s.alive}
+        phases = {p["phase"] for p in self.last_polls.values()}
         if self.watchdog.expired(now, "save" if "save" in phases else "step"):
             self._on_hang(now)
 

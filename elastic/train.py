@@ -28,6 +28,9 @@ from elastic.model import build_model, initial_state
 from strategies import clip_grad_norm, load_full_state, parallelize
 
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "save", "done")
+STEP_REPORT_S = 0.25
+"""How often step records are pushed to the controller's waiting poll: fresh enough for progress,
+deadlines and accounting, rare enough that polling takes little from training."""
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
@@ -49,6 +52,7 @@ class Progress:
         self.phase_since = time.time()
         self.changed = threading.Event()  # set by every record: wakes a waiting long poll
         self._records: list[dict] = []
+        self._last_wake = 0.0
         self._lock = threading.Lock()
 
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -58,9 +62,13 @@ class Progress:
         self.phase_since = time.time()
 
     def record(self, kind: str, **fields) -> None:
+        now = time.time()
         with self._lock:
-            self._records.append({"kind": kind, "t": time.time(), **fields})
-        self.changed.set()
+            self._records.append({"kind": kind, "t": now, **fields})
+        # Step records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
+        if kind != "step" or now - self._last_wake >= STEP_REPORT_S:
+            self._last_wake = now
+            self.changed.set()
 
     def drain(self) -> list[dict]:
         with self._lock:

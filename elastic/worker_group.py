@@ -36,6 +36,11 @@ class Member:
     pending: object = None
 
 
+LONG_POLL_S = 1.0
+"""How long a worker holds a poll open when it has only step records to report: fewer Ray calls compete
+with training (each poll takes the worker's GIL), while deaths, saves and errors are still seen at once."""
+
+
 class StartError(RuntimeError):
     """Workers could not be started; the message carries the worker's own error."""
 
@@ -101,16 +106,15 @@ class RayWorkerGroup:
     def poll(self, timeout_s: float) -> list[RankStatus]:
         """One round of polls; a rank whose actor is dead comes back with alive=False.
 
-        Each rank's poll is a long poll: it answers on a new record, at the end
-        of its loop, or after half of `timeout_s` (so every live rank answers
-        within the round and a round is complete, as when polls answered at
-        once). A round ends when every rank has answered, at `timeout_s`, or at
-        once when a rank is dead: Ray's prompt report of a dead actor is not
-        held back by the live ranks' waits.
+        Each rank's poll is a long poll (up to LONG_POLL_S): it answers when its
+        loop records something (a save, an error, the end: at once; steps: in
+        batches every `elastic.train.STEP_REPORT_S`). A round returns what arrived within `timeout_s`, at once
+        when a rank is dead: Ray fails a dead actor's outstanding poll within
+        moments, so detection does not depend on the poll rate.
         """
         for m in self.members:
             if m.pending is None:
-                m.pending = m.actor.poll.remote(timeout_s / 2)
+                m.pending = m.actor.poll.remote(LONG_POLL_S)
         deadline = time.monotonic() + timeout_s
         results: dict[int, RankStatus] = {}
         while True:

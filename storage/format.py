@@ -88,6 +88,47 @@ def crc32(buf, value: int = 0) -> int:
     return zlib.crc32(buf, value)
 
 
+_CRC_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (reflected bit order), as zlib's `multmodp`."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A+B from crc32(A), crc32(B) and len(B), without the bytes (zlib's `crc32_combine`).
+
+    A save computes each piece's checksum once and derives the whole file's
+    from them, instead of a second pass over the data.
+    """
+    p, n, k = 1 << 31, len2, 3  # x^0; x^(8 * len2) is built from x^(2^k), k >= 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ (crc2 & 0xFFFFFFFF)
+
+
 # -- index -----------------------------------------------------------------------
 def encode_index(rows: list[dict]) -> bytes:
     """Rows (dicts with INDEX_COLUMNS) as an Arrow IPC file, sorted by key and offsets."""

@@ -3,10 +3,12 @@
 Planning is local and cheap: the rank computes the global boxes its local
 shards cover (strided FSDP-over-TP shards included), looks each box up in a
 per-key `PieceIndex` (bisect, not all pairs), and groups the pieces it needs
-by file. Adjacent byte ranges are coalesced into one scatter read that puts
-whole pieces straight into their destination where it is contiguous; files are
-read concurrently, and within a file the next read runs while the previous one
-is checksummed. Every piece's CRC-32 is checked before the load returns.
+by file. Adjacent byte ranges are coalesced into one scatter read (up to
+`COALESCE_MAX`) that puts whole pieces straight into their destination where
+it is contiguous; `READERS` threads run these reads concurrently, across and
+within files, and each checksums what it read while the others wait on the
+disk (CRC-32 releases the GIL). Every piece's CRC-32 is checked before the
+load returns.
 
 `ReadPlanner` decodes a checkpoint's index once and plans any number of
 ranks: keys whose pieces share a geometry (a parameter and its optimizer
@@ -30,8 +32,10 @@ from storage.state import local_view, state_tensors, tensor_boxes
 
 COALESCE_GAP = 1 << 20
 """Ranges of one file closer than this are read as one (the gap is read and dropped)."""
-COALESCE_MAX = 64 << 20
-"""A coalesced read stays under this size (unless one piece is larger), so checking overlaps with the next read."""
+COALESCE_MAX = 16 << 20
+"""A coalesced read stays under this size (unless one piece is larger), so that a file's reads spread over the readers."""
+READERS = 4
+"""Reads of local files in flight at once per load (the disk queue stays busy; checksums run while other reads wait)."""
 
 
 @dataclass
@@ -175,60 +179,53 @@ def _direct_target(need: _Need, targets):
     return dest.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _load_file(store: Store, step: int, rel: str, groups: list[list[_Need]], targets) -> None:
-    """Read the pieces of one file (coalesced, whole pieces straight into place), check each, copy the rest.
+def _buffers(group: list[_Need], targets):
+    """The scatter list of one coalesced read (gaps read into scratch) and, per piece, (need, buffer, read in place)."""
+    pos = group[0].piece.byte_offset
+    buffers, checks = [], []
+    for need in group:
+        p = need.piece
+        if p.byte_offset > pos:
+            buffers.append(bytearray(p.byte_offset - pos))
+        direct = _direct_target(need, targets)
+        buf = direct if direct is not None else torch.empty(p.nbytes, dtype=torch.uint8).numpy()
+        buffers.append(buf)
+        checks.append((need, buf, direct is not None))
+        pos = p.byte_offset + p.nbytes
+    return buffers, checks
 
-    Reads run one group ahead of the checking: the next range is being read
-    (the I/O releases the GIL) while the previous one is checksummed.
-    """
+
+def _read_group(store: Store, path: str, group: list[_Need], targets) -> None:
+    """One coalesced read of a local file, whole pieces straight into place, then each piece checked (and copied)."""
+    name = store.describe(path)
+    start, end = group[0].piece.byte_offset, group[-1].piece.byte_offset + group[-1].piece.nbytes
+    buffers, checks = _buffers(group, targets)
+    try:
+        got = store.read_into(path, [(start, buffers)])[0]
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing") from None
+    if got != end - start:
+        raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
+    _check_and_place(checks, name, targets)
+
+
+def _load_object(store: Store, step: int, rel: str, groups: list[list[_Need]], targets) -> None:
+    """The pieces of one file on an object store: one concurrent multi-range request, then each piece checked."""
     path = f"{step_dir(step)}/{rel}"
     name = store.describe(path)
     requests = []
     for group in groups:
-        start = pos = group[0].piece.byte_offset
-        buffers, checks = [], []
-        for need in group:
-            p = need.piece
-            if p.byte_offset > pos:
-                buffers.append(bytearray(p.byte_offset - pos))
-            direct = _direct_target(need, targets)
-            buf = direct if direct is not None else torch.empty(p.nbytes, dtype=torch.uint8).numpy()
-            buffers.append(buf)
-            checks.append((need, buf, direct is not None))
-            pos = p.byte_offset + p.nbytes
-        requests.append((start, buffers, pos, checks))
-
-    def read(request):
-        start, buffers, end, _ = request
-        try:
-            got = store.read_into(path, [(start, buffers)])[0]
-        except FileNotFoundError:
-            raise CheckpointError(f"{name} is missing") from None
-        if got != end - start:
+        buffers, checks = _buffers(group, targets)
+        requests.append((group[0].piece.byte_offset, buffers, group[-1].piece.byte_offset + group[-1].piece.nbytes, checks))
+    try:
+        got = store.read_into(path, [(start, buffers) for start, buffers, _, _ in requests])
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing") from None
+    for (start, _, end, _), n in zip(requests, got):
+        if n != end - start:
             raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
-
-    if store.local is None:  # object stores: one concurrent multi-range request for the whole file
-        try:
-            got = store.read_into(path, [(start, buffers) for start, buffers, _, _ in requests])
-        except FileNotFoundError:
-            raise CheckpointError(f"{name} is missing") from None
-        for (start, _, end, _), n in zip(requests, got):
-            if n != end - start:
-                raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
-        for request in requests:
-            _check_and_place(request[3], name, targets)
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-read-ahead") as ahead:
-        pending = ahead.submit(read, requests[0]) if requests else None
-        for i, request in enumerate(requests):
-            pending.result()
-            pending = ahead.submit(read, requests[i + 1]) if i + 1 < len(requests) else None
-            try:
-                _check_and_place(request[3], name, targets)
-            except BaseException:
-                if pending is not None:
-                    pending.cancel()
-                raise
+    for request in requests:
+        _check_and_place(request[3], name, targets)
 
 
 def _check_and_place(checks, name: str, targets) -> None:
@@ -266,10 +263,22 @@ def load_into(
     plan = planner.plan({key: (shape, local.dtype, boxes) for key, (shape, local, boxes) in targets.items()})
     # Detached: the loads write in place into views taken later, which autograd would forbid on a parameter's to_local().
     places = {key: (local.detach(), boxes) for key, (_, local, boxes) in targets.items()}
-    if plan:
-        with ThreadPoolExecutor(max_workers=min(8, len(plan))) as pool:
-            for future in [pool.submit(_load_file, store, step, rel, groups, places) for rel, groups in plan.items()]:
-                future.result()
+    if store.local is None:
+        jobs = [(_load_object, (store, step, rel, groups, places)) for rel, groups in plan.items()]
+        workers = 8
+    else:  # every coalesced read is a job: several reads in flight, each checksummed by the thread that read it
+        jobs = [(_read_group, (store, f"{step_dir(step)}/{rel}", group, places)) for rel, groups in plan.items() for group in groups]
+        workers = READERS
+    if jobs:
+        with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="ckpt-read") as pool:
+            futures = [pool.submit(fn, *args) for fn, args in jobs]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
     return planner.manifest
 
 

@@ -200,11 +200,38 @@ def plan_writes(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
     return out
 
 
-def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
+class SnapshotPool:
+    """Snapshot buffers kept between saves, by (shape, dtype, pinned): a snapshot into them is a plain copy into warm memory.
+
+    `snapshot(tensors, pool=...)` takes every buffer it needs from the pool;
+    its buffers are the pool's for the next snapshot, which must not start
+    until this one is written (`BackgroundWriter` waits for the save in flight
+    first). Buffers the next snapshot does not take are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._used: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        key = (tuple(shape), dtype, pinned)
+        free = self._free.get(key)
+        buf = free.pop() if free else torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        self._used.setdefault(key, []).append(buf)
+        return buf
+
+    def recycle(self) -> None:
+        """The buffers taken since the last call become the free ones; buffers nobody took are dropped."""
+        self._free, self._used = self._used, {}
+
+
+def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = None) -> dict[str, LocalPart]:
     """A CPU copy of what this rank will write (pinned when the data is on a GPU).
 
     Training may change the live tensors as soon as this returns; a
-    `write_shards` of the snapshot can then run in a background thread.
+    `write_shards` of the snapshot can then run in a background thread. With a
+    `pool`, the copies go into the buffers of the pool's previous snapshot
+    (which must be written by now) and this snapshot's buffers become the pool.
     """
     plan = plan_writes(tensors)
     on_gpu = False
@@ -212,13 +239,16 @@ def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
         copies = []
         for box, data in part.pieces:
             data = data.detach()
-            if data.device.type == "cpu":
-                copies.append((box, data.clone(memory_format=torch.contiguous_format)))
+            pinned = data.device.type != "cpu"
+            on_gpu = on_gpu or pinned
+            if pool is None:
+                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pinned)
             else:
-                on_gpu = True
-                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                copies.append((box, buf.copy_(data, non_blocking=True)))
+                buf = pool.take(tuple(data.shape), data.dtype, pinned)
+            copies.append((box, buf.copy_(data, non_blocking=pinned)))
         part.pieces = copies
     if on_gpu:
         torch.cuda.synchronize()
+    if pool is not None:
+        pool.recycle()
     return plan

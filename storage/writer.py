@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from storage.format import (
-    ALIGN,
     FORMAT,
     INDEX,
     MANIFEST,
@@ -30,6 +29,7 @@ from storage.format import (
     align_up,
     check_coverage,
     crc32,
+    crc32_combine,
     data_file,
     dtype_name,
     encode_index,
@@ -37,13 +37,18 @@ from storage.format import (
     step_dir,
 )
 from storage.fs import Store
-from storage.state import plan_writes, snapshot
+from storage.state import SnapshotPool, plan_writes, snapshot
+
+_BLOCK = 1 << 20
+"""A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
 
 
 def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> list[dict]:
     """Write this rank's pieces of `tensors` (live tensors or a `snapshot`); returns JSON-able index rows.
 
-    Pieces stream into one file, each at a multiple of `ALIGN` bytes. Each row
+    Pieces stream into one file, each at a multiple of `ALIGN` bytes; each
+    piece is read once (copied out and checksummed in the same pass), and the
+    file's checksum is combined from the pieces'. Each row
     has the index columns (key, dtype, shape, offsets, lengths, file,
     byte_offset, nbytes, crc32) plus `file_bytes` and `file_crc32` of the whole
     data file, which the commit moves into the manifest. A rank with nothing to
@@ -54,26 +59,40 @@ def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_optio
         return []
     rel = data_file(rank)
     rows: list[dict] = []
-    offset = file_crc = 0
+    offset = 0
+    for key, part in plan.items():
+        for box, data in part.pieces:
+            offset = align_up(offset)
+            nbytes = data.numel() * data.element_size()
+            rows.append(
+                {
+                    "key": key, "dtype": dtype_name(part.dtype), "shape": list(part.shape),
+                    "offsets": list(box.offsets), "lengths": list(box.lengths), "file": rel,
+                    "byte_offset": offset, "nbytes": nbytes,
+                }
+            )
+            offset += nbytes
+    file_crc = pos = 0
 
     def buffers():
-        nonlocal offset, file_crc
-        for key, part in plan.items():
-            for box, data in part.pieces:
-                if offset % ALIGN:
-                    pad = bytes(align_up(offset) - offset)
-                    file_crc, offset = crc32(pad, file_crc), align_up(offset)
-                    yield pad
-                raw = data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-                rows.append(
-                    {
-                        "key": key, "dtype": dtype_name(part.dtype), "shape": list(part.shape),
-                        "offsets": list(box.offsets), "lengths": list(box.lengths), "file": rel,
-                        "byte_offset": offset, "nbytes": raw.nbytes, "crc32": crc32(raw),
-                    }
-                )
-                file_crc, offset = crc32(raw, file_crc), offset + raw.nbytes
-                yield raw
+        # One piece at a time (a GPU piece reaches the CPU only when its turn comes), in blocks: each block is
+        # checksummed just before the store copies it out, so the data is read from memory once. The file's
+        # checksum follows from the pieces' (and the zero padding's): no second pass.
+        nonlocal file_crc, pos
+        for row, (_, data) in zip(rows, (piece for part in plan.values() for piece in part.pieces)):
+            if row["byte_offset"] > pos:
+                pad = bytes(row["byte_offset"] - pos)
+                file_crc = crc32(pad, file_crc)
+                yield pad
+            raw = memoryview(data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            crc = 0
+            for i in range(0, max(raw.nbytes, 1), _BLOCK):
+                block = raw[i : i + _BLOCK]
+                crc = crc32(block, crc)
+                yield block
+            row["crc32"] = crc
+            file_crc = crc32_combine(file_crc, crc, raw.nbytes)
+            pos = row["byte_offset"] + raw.nbytes
 
     Store(uri, storage_options).write(f"{step_dir(step)}/{rel}", buffers())
     for row in rows:
@@ -116,6 +135,7 @@ def commit(
         "tensors": dict(sorted(tensors.items())),
     }
     store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest))
+    store.sync_dir()  # the step directory's own entry in the root
     return manifest
 
 
@@ -159,23 +179,28 @@ class BackgroundWriter:
     """Asynchronous saves for one rank: snapshot now, write in a background thread, at most one save in flight.
 
     Training stalls only for the snapshot (and for a previous save that has
-    not finished yet); `submit` reports that stall.
+    not finished yet); `submit` reports that stall. The snapshot buffers (pinned
+    on a GPU) are kept and reused by the next save once the previous one is
+    written, so from the second save on the snapshot is a copy into warm
+    memory: no allocation, no first-touch page faults.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._last: Future | None = None
+        self._buffers = SnapshotPool()
 
     def submit(self, uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> tuple[Future, float]:
         """Start saving `tensors`; returns (a future of `write_shards`' rows, the training stall in seconds)."""
         t0 = time.perf_counter()
         if self._last is not None:
             wait_futures([self._last])
-        snap = snapshot(tensors)
+        snap = snapshot(tensors, pool=self._buffers)  # the previous save is done: its buffers are free again
         stall = time.perf_counter() - t0
         self._last = self._pool.submit(write_shards, uri, step, rank, snap, storage_options=storage_options)
         return self._last, stall
 
     def close(self) -> None:
-        """Wait for the save in flight, then stop the thread."""
+        """Wait for the save in flight, then stop the thread (and drop the snapshot buffers)."""
         self._pool.shutdown(wait=True)
+        self._buffers = SnapshotPool()
