@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/elastic run deploy/examples/demo.yaml
+	$(VENV)/bin/elastic run deploy/examples/demo.yaml --fresh
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --timeout 600
@@ -28,7 +28,10 @@ test-slow: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest -q --timeout 3600 -m chaos
 
-# Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~10 min): bench/results/recovery.json
+# All three benchmarks, one after the other (~12 min).
+bench: bench-strategies bench-checkpoint bench-recovery
+
+# Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~5 min): bench/results/recovery.json
 bench-recovery: $(STAMP)
 	$(PY) bench/recovery.py
 
