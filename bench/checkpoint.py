@@ -236,50 +236,38 @@ def phase_save(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def phase_load(rank: int, world: int, root: str, r: int = 0) -> dict:
+def _load_all(rank: int, world: int, root: str, methods: list[str], keys: dict[str, str]) -> dict:
+    """Load the saved state with each method (fresh destination tensors each), timed and checked bitwise."""
     import torch.distributed.checkpoint as dcp
 
     import storage
 
     root = Path(root)
-    out = {}
     step = _ours_step(root)
-    for method in _rotated(r):
+    loaders = {
+        "raw": lambda state: raw_load(root / "raw" / f"rank{rank}.bin", state),
+        "ours": lambda state: storage.load_shards(str(root / "ours"), step, state),
+        "dcp": lambda state: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))),
+    }
+    out = {}
+    for method in methods:
         state = make_state(rank, world, fill=False)
-        if method == "raw":
-            out["disk_read_s"] = _timed(lambda: raw_load(root / "raw" / f"rank{rank}.bin", state))  # noqa: B023
-        elif method == "ours":
-            out["load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), step, state))  # noqa: B023
-        else:
-            out["dcp_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))  # noqa: B023
+        out[keys[method]] = _timed(lambda: loaders[method](state))  # noqa: B023
         check_state(state, rank, world)
     dist.barrier()
     if rank == 0:
         evict(root)
     dist.barrier()
     return out
+
+
+def phase_load(rank: int, world: int, root: str, r: int = 0) -> dict:
+    return _load_all(rank, world, root, _rotated(r), {"raw": "disk_read_s", "ours": "load_s", "dcp": "dcp_load_s"})
 
 
 def phase_reshard(rank: int, world: int, root: str, r: int = 0) -> dict:
-    import torch.distributed.checkpoint as dcp
-
-    import storage
-
-    root = Path(root)
-    out = {}
-    step = _ours_step(root)
-    for method in (["ours", "dcp"] if r % 2 == 0 else ["dcp", "ours"]):
-        state = make_state(rank, world, fill=False)
-        if method == "ours":
-            out["reshard_load_s"] = _timed(lambda: storage.load_shards(str(root / "ours"), step, state))  # noqa: B023
-        else:
-            out["dcp_reshard_load_s"] = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(str(root / "dcp"))))  # noqa: B023
-        check_state(state, rank, world)
-    dist.barrier()
-    if rank == 0:
-        evict(root)
-    dist.barrier()
-    return out
+    methods = ["ours", "dcp"] if r % 2 == 0 else ["dcp", "ours"]
+    return _load_all(rank, world, root, methods, {"ours": "reshard_load_s", "dcp": "dcp_reshard_load_s"})
 
 
 # -- process harness ---------------------------------------------------------------------------------------
