@@ -20,6 +20,7 @@ manifest (the commit) once every rank of the current generation has written.
 from __future__ import annotations
 
 import enum
+import json
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -347,7 +348,8 @@ class Controller:
             key = f"fault/{fault.id}"
             if not self.fault_store.check([key]):
                 continue
-            fired_at = float(self.fault_store.get(key).decode())
+            signal = json.loads(self.fault_store.get(key).decode())
+            fired_at, at_step = signal["t"], signal["step"]
             node = self.group.node_of(fault.rank)
             if fault.kind == "node":
                 fired_at = self.clock()
@@ -355,7 +357,10 @@ class Controller:
                 if fault.back_s > 0:
                     self.node_returns.append(fired_at + fault.back_s)
             self.fired[fault.id] = fired_at
-            self.events.emit("fault_injected", fault_id=fault.id, kind=fault.kind, rank=fault.rank, step=fault.step, node=node, t_fault=fired_at, where=fault.where)
+            self.events.emit(
+                "fault_injected", fault_id=fault.id, kind=fault.kind, rank=fault.rank, step=fault.step, at_step=at_step,
+                node=node, t_fault=fired_at, where=fault.where,
+            )
         for fault in self.faults:
             if fault.kind == "corrupt" and fault.id not in self.fired and self.completed_step >= fault.step:
                 self.fired[fault.id] = -1.0  # armed: carried out before the next restore
@@ -416,6 +421,7 @@ class Controller:
             "fault_id": fault["fault_id"] if fault else None,
             "detected_at": now,
             "detect_s": (now - fault["t_fault"]) if fault else None,
+            "fault_step": fault.get("at_step") if fault else None,  # steps the faulty rank had completed
             "recover_s": None,
             "lost_steps": None,
             "detail": failure.detail[-2000:],
@@ -429,6 +435,9 @@ class Controller:
     # -- RECOVERING -------------------------------------------------------------------------
     def _recover(self) -> None:
         failure = self.pending_failure
+        for s in self.group.poll(self.cfg.fault.heartbeat_s):  # where the survivors got to: the work being lost
+            if s.alive and s.poll["generation"] == self.generation:
+                self.max_seen_step = max(self.max_seen_step, s.poll["step"])
         kept = self.group.teardown(kill_ranks=[failure.culprit] if failure.culprit is not None else [])
         self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)
@@ -446,7 +455,7 @@ class Controller:
         )
         self.resume_step = resume
         start = resume or 0
-        done = max(self.completed_step + 1, self.max_seen_step)  # a rank running step k has done k steps
+        done = max(self.completed_step + 1, self.max_seen_step, record["fault_step"] or 0)  # a rank at step k has done k
         record["lost_steps"] = max(0, done - start)
         record["resume_step"] = resume
         self.ledger.rollback(start)

@@ -9,6 +9,7 @@ the state that must survive a restart is the tensors plus one integer.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -97,10 +98,10 @@ class RankSpec:
     device: str = "cpu"
 
 
-def _fault_signal(store, fault: Fault) -> None:
-    """Tell the controller, through the rendezvous store, that a fault fires now (before it makes us unreachable)."""
+def _fault_signal(store, fault: Fault, step: int) -> None:
+    """Tell the controller, through the rendezvous store, that a fault fires now at `step` (before it makes us unreachable)."""
     if store is not None:
-        store.set(f"fault/{fault.id}", str(time.time()))
+        store.set(f"fault/{fault.id}", json.dumps({"t": time.time(), "step": step}))
 
 
 def _block_forever(stop: threading.Event) -> None:
@@ -156,7 +157,7 @@ class Trainer:
 
     def _inject_before_step(self, step: int) -> None:
         for fault in self._faults_at(step, ("kill", "node", "hang")):
-            _fault_signal(self.fault_store, fault)
+            _fault_signal(self.fault_store, fault, step)
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.kind == "node":
@@ -237,7 +238,7 @@ class Trainer:
             snap = storage.snapshot(tensors)
             threading.Thread(target=storage.write_shards, args=(self.cfg.checkpoint.uri, step, self.rank, snap), daemon=True).start()
             time.sleep(0.002 * (1 + kill[0].id % 4))
-            _fault_signal(self.fault_store, kill[0])
+            _fault_signal(self.fault_store, kill[0], step)
             os.kill(os.getpid(), signal.SIGKILL)
         self._wait_for_writer()
         future, stall = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
