@@ -95,7 +95,6 @@ class Controller:
         self.completed_step = -1  # last step every data slice reported in this generation
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
-        self.step_times: dict[int, float] = {}
         self.tallies: dict[int, _StepTally] = {}
         self.pending_rows: dict[int, dict[int, list]] = {}
         self.failures: list[dict] = []
@@ -261,7 +260,6 @@ class Controller:
         t = self.cfg.training
         loss = tally.loss_sum / (t.global_batch * self.cfg.data.seq_len)
         self.losses[step] = loss
-        self.step_times[step] = now
         self.ledger.record(step, tally.samples)
         duration = tally.duration
         self.completed_step = step
@@ -461,7 +459,6 @@ class Controller:
         self.ledger.rollback(start)
         for step in [s for s in self.losses if s >= start]:
             del self.losses[step]
-            self.step_times.pop(step, None)
         self.open_failure = record
         self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason, workers_kept=kept)
         self._transition(State.SCHEDULING, resume_step=resume)

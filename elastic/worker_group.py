@@ -32,7 +32,6 @@ class Member:
     rank: int
     node_id: str
     actor: object
-    pid: int = 0
     pending: object = None
 
 
@@ -92,10 +91,8 @@ class RayWorkerGroup:
             self.members.append(Member(rank, node, actor))
         self._kill([a for actors in self.idle.values() for a in actors])  # warm workers this layout has no slot for
         self.idle = {}
-        infos = [m.actor.info.remote() for m in self.members]
-        try:
-            for member, info in zip(self.members, ray.get(infos, timeout=self.cfg.fault.startup_timeout_s)):
-                member.pid = info["pid"]
+        try:  # an actor that cannot start (import error, no such device) fails here with its own error
+            ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
         except GetTimeoutError:
             raise StartError(f"workers did not start within fault.startup_timeout_s={self.cfg.fault.startup_timeout_s}s") from None
         except (RayActorError, RayTaskError) as exc:
