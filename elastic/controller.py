@@ -104,6 +104,7 @@ class Controller:
         self.max_seen_step = -1
         self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
         self.peer_errors_since: float | None = None
+        self.spares_requested = False  # warm spares are started once per generation, after its first step
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self._commits: list[tuple[dict, Future]] = []  # in flight, oldest first
         self.resize_target: int | None = None
@@ -170,6 +171,7 @@ class Controller:
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
         self.tallies.clear()
+        self.spares_requested = False
         self.peer_errors_since = None
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0
@@ -264,6 +266,9 @@ class Controller:
         duration = tally.duration
         self.completed_step = step
         self.watchdog.observe_step(duration, now)
+        if not self.spares_requested:
+            self.spares_requested = True
+            self.group.replenish()
         self.events.emit("step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, grad_norm=rec["grad_norm"])
         if self.open_failure is not None:
             failure = self.open_failure

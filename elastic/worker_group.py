@@ -89,8 +89,10 @@ class RayWorkerGroup:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote()
             self.members.append(Member(rank, node, actor))
-        self._kill([a for actors in self.idle.values() for a in actors])  # warm workers this layout has no slot for
-        self.idle = {}
+        # Warm workers this layout has no slot for: one per node stays as a spare, the rest go.
+        spares = {node: actors[:1] for node, actors in self.idle.items() if actors and self._spares_wanted()}
+        self._kill([a for node, actors in self.idle.items() for a in actors[len(spares.get(node, [])):]])
+        self.idle = spares
         try:  # an actor that cannot start (import error, no such device) fails here with its own error
             ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
         except GetTimeoutError:
@@ -156,7 +158,26 @@ class RayWorkerGroup:
     def node_alive(self, node_id: str) -> bool:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
-    def teardown(self, kill_ranks=(), grace_s: float = 2.0) -> int:
+    def _spares_wanted(self) -> bool:
+        """Spares hold no CPU reservation; a GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
+        return self.cfg.scaling.gpus_per_worker == 0
+
+    def replenish(self) -> None:
+        """Start one warm spare worker on every usable node that has none (torch and the training code imported).
+
+        A rank that dies is then replaced by a process that is already up: the
+        next generation starts without paying a cold start. Called once a
+        generation is training, so the spares' start-up never delays a restart.
+        """
+        if not self._spares_wanted():
+            return
+        for node, _ in self.node_slots():
+            if not self.idle.get(node):
+                self.idle[node] = [
+                    Worker.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                ]
+
+    def teardown(self, kill_ranks=(), grace_s: float = 0.5) -> int:
         """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.
 
         The ranks in `kill_ranks` (dead, or the culprit of a hang) are killed
@@ -168,7 +189,7 @@ class RayWorkerGroup:
         self._kill([m.actor for m in doomed])
         rest = [m for m in self.members if m not in doomed]
         resets = {m.rank: m.actor.reset.remote(grace_s) for m in rest}
-        ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=grace_s + 2.0) if resets else ([], [])
+        ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=grace_s + 0.5) if resets else ([], [])
         kept = 0
         for m in rest:
             ref = resets[m.rank]

@@ -43,6 +43,9 @@ class ScriptedGroup:
     def stop_after(self, step: int) -> None:
         self.stop_at = step
 
+    def replenish(self) -> None:
+        pass
+
     def node_of(self, rank: int) -> str:
         return f"node{rank // 2}"
 
