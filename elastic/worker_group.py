@@ -32,6 +32,7 @@ class Member:
     rank: int
     node_id: str
     actor: object
+    pid: int = 0
     pending: object = None
 
 
@@ -94,7 +95,9 @@ class RayWorkerGroup:
         self._kill([a for node, actors in self.idle.items() for a in actors[len(spares.get(node, [])):]])
         self.idle = spares
         try:  # an actor that cannot start (import error, no such device) fails here with its own error
-            ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
+            infos = ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
+            for member, info in zip(self.members, infos):
+                member.pid = info["pid"]  # for diagnostics and the recovery benchmark's start-up breakdown
         except GetTimeoutError:
             raise StartError(f"workers did not start within fault.startup_timeout_s={self.cfg.fault.startup_timeout_s}s") from None
         except (RayActorError, RayTaskError) as exc:
