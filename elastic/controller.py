@@ -117,6 +117,7 @@ class Controller:
     def run(self) -> State:
         while self.state not in (State.FINISHED, State.FAILED):
             self.step()
+        self._committer.shutdown(wait=True)
         return self.state
 
     def step(self) -> State:
@@ -381,8 +382,8 @@ class Controller:
                 self.fired[fault.id] = self.clock()
                 self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None, t_fault=self.fired[fault.id], target=target)
 
-    def _matching_fault(self, failure: Failure) -> dict | None:
-        """The most recent injected fault this failure is the detection of."""
+    def _matching_fault(self) -> dict | None:
+        """The most recent injected fault not yet matched to a detection: the one a new failure detects."""
         claimed = {f.get("fault_id") for f in self.failures}
         for e in reversed(self.events.of("fault_injected")):
             if e["fault_id"] not in claimed and e["kind"] != "corrupt":
@@ -413,7 +414,7 @@ class Controller:
         return min(ranks, key=behind) if ranks else None
 
     def _on_failure(self, failure: Failure, now: float) -> None:
-        fault = self._matching_fault(failure)
+        fault = self._matching_fault()
         record = {
             "kind": fault["kind"] if fault else failure.kind,
             "detected_as": failure.kind,
