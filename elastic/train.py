@@ -123,6 +123,7 @@ class Trainer:
         self.stop = self.control.stop
         self.writer = storage.BackgroundWriter()
         self._pending = None  # the Future of the save in flight
+        self._unsnapped = None  # (future, step, t0, background) of a save whose copy training has not waited for yet
         self.faults = [Fault(**f) for f in spec.faults]
         self.device = torch.device(spec.device)
         self.data = SyntheticTokens(self.cfg.data, self.cfg.model.vocab_size)
@@ -185,6 +186,7 @@ class Trainer:
         self.progress.record("ready", start_step=self.start_step)
         for step in range(self.start_step, t.steps):
             if self.stop.is_set():
+                self._snapshot_taken()
                 return False
             self._inject_before_step(step)
             t0 = time.time()
@@ -197,6 +199,7 @@ class Trainer:
             grad_norm = clip_grad_norm(self.pm, t.grad_clip)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
+            self._snapshot_taken()  # the save in flight copies the state while forward and backward run
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             record = {"step": step, "t_start": t0, "grad_norm": float(grad_norm)}
@@ -218,16 +221,34 @@ class Trainer:
 
     def _wait_for_writer(self) -> None:
         """Block until the save in flight is written; a failed write raises here, in the training thread."""
+        self._snapshot_taken()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
 
+    def _snapshot_taken(self) -> None:
+        """Block until the save in flight has copied the state (training may change it from here on).
+
+        Its rows are reported once written, with the training stall: what this
+        wait and the submit blocked, in the background case.
+        """
+        if self._unsnapped is None:
+            return
+        (future, step, t0, background), self._unsnapped = self._unsnapped, None
+        stall = self.writer.wait_snapshot()
+
+        def report(done) -> None:
+            if done.exception() is None:
+                self.progress.record("saved", step=step, rows=done.result(), save_s=time.time() - t0, stall_s=stall if background else None)
+
+        future.add_done_callback(report)
+
     def save(self, step: int, background: bool = False) -> None:
         """Snapshot this rank's shards of the state after `step` steps, write them, report the index rows.
 
-        With `background`, only the snapshot stalls training; the write runs on
-        the writer's thread (at most one in flight) and the rows are reported
-        when it is done.
+        With `background`, the copy and the write run on the writer's thread
+        (at most one save in flight) while training goes on; training waits
+        for the copy only before its next optimizer step.
         """
         self.progress.enter("save", step)
         t0 = time.time()
@@ -241,13 +262,7 @@ class Trainer:
             _fault_signal(self.fault_store, kill[0], step)
             os.kill(os.getpid(), signal.SIGKILL)
         self._wait_for_writer()
-        future, stall = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
-
-        def report(done) -> None:
-            if done.exception() is None:
-                self.progress.record("saved", step=step, rows=done.result(), save_s=time.time() - t0, stall_s=stall if background else None)
-
-        future.add_done_callback(report)
-        self._pending = future
+        self._pending = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
+        self._unsnapped = (self._pending, step, t0, background)
         if not background:
             self._wait_for_writer()

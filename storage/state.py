@@ -233,22 +233,51 @@ def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = No
     `pool`, the copies go into the buffers of the pool's previous snapshot
     (which must be written by now) and this snapshot's buffers become the pool.
     """
-    plan = plan_writes(tensors)
-    on_gpu = False
+    return copy_pieces(plan_writes(tensors), pool=pool, ready=compute_done(tensors))
+
+
+def compute_done(tensors: dict[str, torch.Tensor]) -> "torch.cuda.Event | None":
+    """On a GPU, an event on the current stream after the work queued so far (the optimizer step); None on CPU.
+
+    Taken on the training thread, it lets `copy_pieces` copy on a side stream
+    from another thread without reading state the queued kernels still write.
+    """
+    for t in tensors.values():
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return torch.cuda.current_stream(t.device).record_event()
+    return None
+
+
+def copy_pieces(plan: dict[str, LocalPart], *, pool: SnapshotPool | None = None, ready: "torch.cuda.Event | None" = None) -> dict[str, LocalPart]:
+    """Replace the planned pieces' views of the live tensors by CPU copies; returns `plan`.
+
+    Safe on a thread other than the training thread while training runs its
+    forward and backward, which read the state but do not change it; training
+    must not step the optimizer until this returns. GPU pieces are copied on a
+    side stream that first waits for `ready` (see `compute_done`), into pinned
+    buffers, so the copy overlaps the training stream's compute.
+    """
+    stream = None
     for part in plan.values():
         copies = []
         for box, data in part.pieces:
             data = data.detach()
-            pinned = data.device.type != "cpu"
-            on_gpu = on_gpu or pinned
-            if pool is None:
-                buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pinned)
+            pinned = data.is_cuda
+            if pinned and stream is None:
+                stream = torch.cuda.Stream(device=data.device)
+                if ready is not None:
+                    stream.wait_event(ready)
+            buf = torch.empty(data.shape, dtype=data.dtype, pin_memory=pinned) if pool is None else pool.take(tuple(data.shape), data.dtype, pinned)
+            if pinned:
+                with torch.cuda.stream(stream):
+                    buf.copy_(data, non_blocking=True)
             else:
-                buf = pool.take(tuple(data.shape), data.dtype, pinned)
-            copies.append((box, buf.copy_(data, non_blocking=pinned)))
+                buf.copy_(data)
+            copies.append((box, buf))
         part.pieces = copies
-    if on_gpu:
-        torch.cuda.synchronize()
+    if stream is not None:
+        stream.synchronize()
     if pool is not None:
         pool.recycle()
     return plan

@@ -37,7 +37,7 @@ from storage.format import (
     step_dir,
 )
 from storage.fs import Store
-from storage.state import SnapshotPool, plan_writes, snapshot
+from storage.state import SnapshotPool, compute_done, copy_pieces, plan_writes
 
 _BLOCK = 1 << 20
 """A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
@@ -176,29 +176,58 @@ def gather_and_commit(
 
 
 class BackgroundWriter:
-    """Asynchronous saves for one rank: snapshot now, write in a background thread, at most one save in flight.
+    """Asynchronous saves for one rank, at most one in flight: plan now, copy and write on a background thread.
 
-    Training stalls only for the snapshot (and for a previous save that has
-    not finished yet); `submit` reports that stall. The snapshot buffers (pinned
-    on a GPU) are kept and reused by the next save once the previous one is
-    written, so from the second save on the snapshot is a copy into warm
-    memory: no allocation, no first-touch page faults.
+    `submit` returns at once (after waiting for a save still in flight, whose
+    snapshot buffers the new one reuses). The writer thread first copies the
+    state into the snapshot buffers, which are kept from save to save (pinned
+    on a GPU: warm memory, no allocation), then writes the copy. Training may
+    run its next forward and backward meanwhile, since they read the state
+    but do not change it, and calls `wait_snapshot()` before its optimizer
+    step: the time blocked there, plus any wait in `submit`, is the save's
+    training stall.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._last: Future | None = None
+        self._copied: Future | None = None
+        self._waited = 0.0
         self._buffers = SnapshotPool()
 
-    def submit(self, uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> tuple[Future, float]:
-        """Start saving `tensors`; returns (a future of `write_shards`' rows, the training stall in seconds)."""
+    def submit(self, uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> Future:
+        """Start saving `tensors`; returns a future of `write_shards`' rows. Call `wait_snapshot()` before changing them."""
         t0 = time.perf_counter()
         if self._last is not None:
             wait_futures([self._last])
-        snap = snapshot(tensors, pool=self._buffers)  # the previous save is done: its buffers are free again
-        stall = time.perf_counter() - t0
-        self._last = self._pool.submit(write_shards, uri, step, rank, snap, storage_options=storage_options)
-        return self._last, stall
+        self._waited = time.perf_counter() - t0
+        plan, ready = plan_writes(tensors), compute_done(tensors)
+        copied = self._copied = Future()
+
+        def copy_and_write() -> list[dict]:
+            try:
+                copy_pieces(plan, pool=self._buffers, ready=ready)  # the previous save is written: its buffers are free
+            except BaseException as exc:
+                copied.set_exception(exc)
+                raise
+            copied.set_result(None)
+            return write_shards(uri, step, rank, plan, storage_options=storage_options)
+
+        self._last = self._pool.submit(copy_and_write)
+        return self._last
+
+    def wait_snapshot(self) -> float:
+        """Block until the last save has copied the state, which training may change from then on.
+
+        Returns that save's training stall in seconds (0.0 when no save waits
+        for this call); raises if the copy failed.
+        """
+        if self._copied is None:
+            return 0.0
+        t0 = time.perf_counter()
+        copied, self._copied = self._copied, None
+        copied.result()
+        return self._waited + time.perf_counter() - t0
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the thread (and drop the snapshot buffers)."""
