@@ -110,6 +110,7 @@ class Controller:
         self.resize_target: int | None = None
         self.next_grow_check = 0.0
         self.node_returns: list[float] = []  # when removed nodes come back (node faults with back=)
+        self.grow_seen_at: int | None = None  # completed step when more workers were first seen
         self.failed_reason: str | None = None
         self.started_at = clock()
 
@@ -179,6 +180,7 @@ class Controller:
         self.pending_rows.clear()
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
+        self.grow_seen_at = None
         self.watchdog.reset(self.clock())
         self._transition(State.RUNNING, world_size=self.layout.world_size)
 
@@ -325,7 +327,14 @@ class Controller:
         """More workers than we use: stop every rank at a common step a little ahead, save, restart larger."""
         available = self.group.capacity()
         if not self.scaling.should_grow(available, self.layout):
+            self.grow_seen_at = None
             return
+        if self.grow_seen_at is None or self.completed_step <= self.grow_seen_at:
+            # Grow only once a step has completed since the workers appeared: the polls are fresh and the job
+            # is moving. A stalled job is the watchdog's to judge first; a resize would hide a hang.
+            self.grow_seen_at = self.completed_step if self.grow_seen_at is None else self.grow_seen_at
+            return
+        self.grow_seen_at = None
         target = min(self.max_seen_step + 2, self.cfg.training.steps)
         if target >= self.cfg.training.steps:
             return
@@ -373,7 +382,7 @@ class Controller:
         now = self.clock()
         for due in [t for t in self.node_returns if t <= now]:
             self.node_returns.remove(due)
-            self.events.emit("node_added", node=self.cluster.add_node())
+            self.events.emit("node_added", node=self.cluster.add_node())  # must run on this thread (Ray's signal hooks)
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:

@@ -192,11 +192,34 @@ def test_grows_at_a_boundary_without_losing_a_step(tmp_path):
     while ctrl.completed_step < 5:
         ctrl.step()
     group.cap = 4
-    ctrl.next_grow_check = 0.0
-    states = _run(ctrl)
-    assert State.RESIZING in states and states[-1] is State.FINISHED
+    states = []
+    while State.RESIZING not in states:  # a grow check every step
+        ctrl.next_grow_check = 0.0
+        states.append(ctrl.step())
+    assert states[0] is State.RUNNING  # the first check only notes the new workers; a completed step confirms
+    states += _run(ctrl)
+    assert states[-1] is State.FINISHED
     assert [w for w, _ in group.starts] == [2, 4]
     resized = ctrl.events.of("resized")[0]
     assert resized["lost_steps"] == 0 and group.starts[1][1] == resized["resume_step"]
     assert not ctrl.failures
+    _ledger_clean(ctrl)
+
+
+def test_no_grow_while_hung(tmp_path):
+    # Workers come back just as the job stops moving: the watchdog names the hang first, no resize hides it.
+    ctrl, group, clock = _setup(tmp_path, capacity=2, **{"training.steps": 16, "fault.hang_floor_s": 2.0, "fault.hang_factor": 2.0})
+    while ctrl.completed_step < 8:
+        ctrl.step()
+    group.hang_at = 9
+    clock.now += 1.5
+    group.cap = 4
+    ctrl.next_grow_check = 0.0
+    assert ctrl.step() is State.RUNNING  # neither grown nor yet past the deadline
+    clock.now += 1.0
+    assert ctrl.step() is State.RECOVERING
+    assert ctrl.failures[-1]["detected_as"] == "hang" and not ctrl.events.of("resize_requested")
+    group.hang_at = None
+    assert _run(ctrl)[-1] is State.FINISHED
+    assert [w for w, _ in group.starts] == [2, 4]  # the recovery picks up the returned workers
     _ledger_clean(ctrl)
