@@ -6,7 +6,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery clean
+.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ bench-strategies: $(STAMP)
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)
 	$(PY) bench/checkpoint.py
+
+# S3 data path: s3fs vs pyarrow's S3FileSystem against a local moto server (256 MB object; ~1 min): bench/results/s3.json
+bench-s3: $(STAMP)
+	$(PY) bench/s3.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,4 +1,4 @@
-"""Checkpoints over s3:// (s3fs) against a moto server on 127.0.0.1, saved and loaded at different world sizes."""
+"""Checkpoints over s3:// (pyarrow for the bulk bytes, s3fs for the rest) against a moto server on 127.0.0.1, saved and loaded at different world sizes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import storage
+import storage.fs
+from storage.fs import Store
 
 BUCKET = "ckpt"
 
@@ -113,3 +115,48 @@ def test_s3_catalog(s3):
     template = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.load_shards(uri, 3, template)
     assert all(torch.equal(template[k], state[k]) for k in state)
+
+
+def _round_trip(uri: str, storage_options: dict | None) -> None:
+    state = _full_state()
+    storage.check_writable(uri, storage_options=storage_options)
+    rows = storage.write_shards(uri, 1, 0, state, storage_options=storage_options)
+    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, storage_options=storage_options)
+    assert storage.verify(uri, 1, storage_options=storage_options)["step"] == 1
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    storage.load_shards(uri, 1, template, storage_options=storage_options)
+    assert all(torch.equal(template[k], state[k]) for k in state)
+
+
+def test_s3_bulk_bytes_go_through_pyarrow(s3, monkeypatch):
+    import pyarrow.fs
+
+    store = Store(f"{s3}/backend")
+    assert store.backend == "pyarrow" and isinstance(store.arrow, pyarrow.fs.S3FileSystem)
+    assert Store("memory://x").backend == "fsspec" and Store("/tmp/x").backend == "os"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    store.write("data/f.bin", [data[:1000], memoryview(data)[1000:]])
+    assert store.size("data/f.bin") == len(data) and store.read("data/f.bin") == data  # s3fs sees what pyarrow wrote
+    monkeypatch.setattr(storage.fs, "RANGE_CHUNK", 7000)  # chunks that start and end inside the buffers
+    a, b, gap, c = bytearray(10), bytearray(300_000), bytearray(123), bytearray(50)
+    got = store.read_into("data/f.bin", [(5, [a, b]), (400_000, [gap, bytearray(0)]), (len(data) - 20, [c])])
+    assert got == [300_010, 123, 20]  # the last request runs past the end of the file
+    assert a == data[5:15] and b == data[15:300_015] and gap == data[400_000:400_123] and c[:20] == data[-20:]
+    with pytest.raises(FileNotFoundError):
+        store.read_into("data/missing.bin", [(0, [bytearray(1)])])
+
+
+def test_s3_explicit_storage_options_map_to_pyarrow(s3, monkeypatch):
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(k)
+    options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    assert Store(f"{s3}/explicit", options).backend == "pyarrow"
+    _round_trip(f"{s3}/explicit", options)
+
+
+def test_s3_unmappable_storage_option_falls_back_to_s3fs(s3):
+    options = {"config_kwargs": {"connect_timeout": 30}}  # a botocore setting pyarrow has no one-to-one equivalent for
+    store = Store(f"{s3}/fallback", options)
+    assert store.backend == "fsspec" and store.arrow is None
+    _round_trip(f"{s3}/fallback", options)
