@@ -386,7 +386,9 @@ class Controller:
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
-            if fault.kind == "corrupt" and self.fired.get(fault.id) == -1.0:
+            # Armed by an earlier loop, or due now: the failed generation's last records may have arrived with its failure.
+            due = self.fired.get(fault.id) == -1.0 or (fault.id not in self.fired and self.completed_step >= fault.step)
+            if fault.kind == "corrupt" and due:
                 target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
                 self.fired[fault.id] = self.clock()
                 self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None, t_fault=self.fired[fault.id], target=target)

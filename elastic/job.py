@@ -84,7 +84,8 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
         report = build_report(ctrl)
         write_report(report, run_dir)
         events.emit("job_end", state=ctrl.state.value)
-        if not metrics.flush():  # before the driver leaves Ray: the last values would be lost
+        # Before the driver leaves a cluster that outlives the job, or its last values would be lost.
+        if cluster is None and not metrics.flush():
             events.emit("warning", kind="metrics_not_flushed", message=f"the metrics agent at {metrics.url} did not show this run's last values")
         events.close()
         if cluster is not None:

@@ -12,7 +12,8 @@ Ray pushes a process's metrics to its node's agent only every
 `metrics_report_interval_ms` (10 s by default) and has no flush call, so the
 last values of a run would be lost if the driver disconnected right after its
 last event. `flush()` waits until the agent serves everything recorded so far;
-`run_job` calls it before the driver leaves Ray.
+`run_job` calls it before the driver leaves a cluster it joined (an embedded
+cluster goes away with the job: there is nothing left to scrape).
 
 The agent keeps counters and histograms after the driver has gone, but drops
 a gauge two report intervals after its last export: gauges (loss, world size)
