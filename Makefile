@@ -37,7 +37,7 @@ bench-recovery: $(STAMP)
 
 # Each parallel layout under the manager vs the same Trainer as plain torch.distributed (bench/README.md).
 bench-strategies: $(STAMP)
-	$(PY) bench/strategies.py
+	$(PY) bench/strategies.py --rounds 2
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)

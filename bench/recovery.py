@@ -241,11 +241,11 @@ def _instrument_worker_group(log: Log) -> None:
     wg.ray = TimedRay()
     orig_start, orig_shutdown = wg.RayWorkerGroup.start, wg.RayWorkerGroup.shutdown
 
-    def start(self, layout, specs):
+    def start(self, layout, specs, **kw):
         log.emit("wg_start_begin")
         TimedRay.active, TimedRay.gets = True, 0
         try:
-            return orig_start(self, layout, specs)
+            return orig_start(self, layout, specs, **kw)
         finally:
             TimedRay.active = False
             log.emit("wg_start_end", proc_start={m.rank: _proc_start_time(m.pid) for m in self.members if m.pid})

@@ -104,7 +104,7 @@ class Controller:
         self.max_seen_step = -1
         self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
         self.peer_errors_since: float | None = None
-        self.spares_requested = False  # warm spares are started once per generation, after its first step
+        self.spares_requested = False  # warm spares: with the job's first start, after that once per generation
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
         self._commits: list[tuple[dict, Future]] = []  # in flight, oldest first
         self.resize_target: int | None = None
@@ -167,13 +167,13 @@ class Controller:
             for r in range(self.layout.world_size)
         ]
         try:
-            self.group.start(self.layout, specs)
+            self.group.start(self.layout, specs, with_spares=self.generation == 1)
         except StartError as exc:
             self.group.shutdown()
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
         self.tallies.clear()
-        self.spares_requested = False
+        self.spares_requested = self.generation == 1  # else once this generation has trained a step (see replenish)
         self.peer_errors_since = None
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0

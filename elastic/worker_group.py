@@ -72,8 +72,14 @@ class RayWorkerGroup:
         return sum(s for _, s in self.node_slots())
 
     # -- lifecycle ---------------------------------------------------------------
-    def start(self, layout: Layout, specs: list[dict]) -> None:
-        """Create one actor per rank (node by node), check each started, then start training."""
+    def start(self, layout: Layout, specs: list[dict], *, with_spares: bool = False) -> None:
+        """Create one actor per rank (node by node), check each started, then start training.
+
+        `with_spares` also starts the warm spares (`replenish`) alongside the
+        ranks, so that their start-up overlaps the ranks' own instead of
+        taking CPU from training later (the job's first start, which no
+        failure is waiting on).
+        """
         s = self.cfg.scaling
         placement: list[str] = []
         for node_id, slots in self.node_slots():
@@ -94,6 +100,8 @@ class RayWorkerGroup:
         spares = {node: actors[:1] for node, actors in self.idle.items() if actors and self._spares_wanted()}
         self._kill([a for node, actors in self.idle.items() for a in actors[len(spares.get(node, [])):]])
         self.idle = spares
+        if with_spares:
+            self.replenish()
         try:  # an actor that cannot start (import error, no such device) fails here with its own error
             infos = ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
             for member, info in zip(self.members, infos):
@@ -169,8 +177,9 @@ class RayWorkerGroup:
         """Start one warm spare worker on every usable node that has none (torch and the training code imported).
 
         A rank that dies is then replaced by a process that is already up: the
-        next generation starts without paying a cold start. Called once a
-        generation is training, so the spares' start-up never delays a restart.
+        next generation starts without paying a cold start. After a failure it
+        is called once the new generation is training, so the spares'
+        start-up never delays a restart.
         """
         if not self._spares_wanted():
             return

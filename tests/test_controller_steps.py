@@ -34,7 +34,7 @@ class ScriptedGroup:
     def capacity(self) -> int:
         return self.cap
 
-    def start(self, layout, specs) -> None:
+    def start(self, layout, specs, *, with_spares: bool = False) -> None:
         self.layout, self.gen = layout, specs[0]["generation"]
         self.step = specs[0]["resume_step"] or 0
         self.starts.append((layout.world_size, specs[0]["resume_step"]))
