@@ -95,6 +95,7 @@ class Worker:
         finally:
             self._progress.changed.set()  # a waiting poll reports the end at once
 
+    @ray.method(enable_task_events=False)  # several calls a second per rank: not worth a record in the GCS each
     def poll(self, wait_s: float = 0.0) -> dict:
         """Current step and phase, new records, and whether the loop ended (finished or failed).
 
