@@ -235,8 +235,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Each parallel layout under the manager vs plain torch.distributed.")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
-    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out of the median (default 5)")
+    parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run (default 80)")
+    parser.add_argument("--warmup", type=int, default=20, help="leading steps left out of the median: start-up transients (default 20)")
     parser.add_argument("--rounds", type=int, choices=(1, 2), default=1, help="1: a-b per layout, the order alternating between layouts (default); 2: a-b-b-a per layout")
     parser.add_argument("--only", action="append", default=[], help="run only layouts with this name (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
