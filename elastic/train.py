@@ -123,7 +123,7 @@ class Trainer:
         self.stop = self.control.stop
         self.writer = storage.BackgroundWriter()
         self._pending = None  # the Future of the save in flight
-        self._unsnapped = None  # (future, step, t0, background) of a save whose copy training has not waited for yet
+        self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
         self.device = torch.device(spec.device)
         self.data = SyntheticTokens(self.cfg.data, self.cfg.model.vocab_size)
@@ -234,14 +234,14 @@ class Trainer:
         """
         if self._unsnapped is None:
             return
-        (future, step, t0, background), self._unsnapped = self._unsnapped, None
+        (step, t0, background), self._unsnapped = self._unsnapped, None
         stall = self.writer.wait_snapshot()
 
         def report(done) -> None:
             if done.exception() is None:
                 self.progress.record("saved", step=step, rows=done.result(), save_s=time.time() - t0, stall_s=stall if background else None)
 
-        future.add_done_callback(report)
+        self._pending.add_done_callback(report)
 
     def save(self, step: int, background: bool = False) -> None:
         """Snapshot this rank's shards of the state after `step` steps, write them, report the index rows.
@@ -263,6 +263,6 @@ class Trainer:
             os.kill(os.getpid(), signal.SIGKILL)
         self._wait_for_writer()
         self._pending = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
-        self._unsnapped = (self._pending, step, t0, background)
+        self._unsnapped = (step, t0, background)
         if not background:
             self._wait_for_writer()
