@@ -15,8 +15,10 @@ definition (`bench.plain.step_times`: the gap between consecutive step
 completions of the slowest rank). The first `--warmup` steps and the last
 step (it is followed by the run's final checkpoint save) are left out; the
 median of the rest is `step_s` (manager) and `baseline_step_s` (plain).
-Layouts alternate which side runs first (a-b, then b-a), and `--rounds 2`
-runs a-b-b-a per layout, so slow drift of the machine's load cancels. Both sides use the
+Layouts alternate which side runs first, and `--rounds N` runs N rounds per
+layout, each round flipping the order (a-b, b-a, a-b, ...), so slow drift of
+the machine's speed (on this VM the same run varies by several percent within
+minutes) cancels; `round_ratios` keeps each round's own ratio to show it. Both sides use the
 same torch thread count (the worker's rule, `ELASTIC_TORCH_THREADS`, 1 by
 default) and OMP_NUM_THREADS.
 
@@ -184,10 +186,10 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
     if layout.world_size != world:
         raise RuntimeError(f"{name}: the manager would run {layout} ({layout.world_size} ranks), not {world}")
     first, last = args.warmup, args.steps - 2  # leave out warm-up and the last step (the final save follows it)
-    order = ["manager", "plain"] if index % 2 == 0 else ["plain", "manager"]
-    if args.rounds == 2:
-        order = order + order[::-1]
+    pair = ["manager", "plain"] if index % 2 == 0 else ["plain", "manager"]
+    order = [side for r in range(args.rounds) for side in (pair if r % 2 == 0 else pair[::-1])]
     samples: dict[str, list[float]] = {"manager": [], "plain": []}
+    run_medians: list[float] = []
     manager_losses = plain_losses = None
     for side in order:
         t0 = time.time()
@@ -202,6 +204,7 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
             plain_losses = losses_from(records, cfg)
         times = step_times(records, first, last)
         samples[side] += list(times.values())
+        run_medians.append(statistics.median(times.values()))
         print(f"  {name:28s} {side:7s} median {statistics.median(times.values()):.4f}s over {len(times)} steps ({time.time() - t0:.1f}s wall)", flush=True)
     ref = reference_losses(cfg)
     step_s = statistics.median(samples["manager"])
@@ -215,6 +218,11 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
         "step_s": step_s,
         "baseline_step_s": base_s,
         "overhead_ratio": step_s / base_s,
+        # Each round's own ratio (its two runs back to back): how much the machine's drift moved the figure.
+        "round_ratios": [
+            run_medians[i] / run_medians[i + 1] if order[i] == "manager" else run_medians[i + 1] / run_medians[i]
+            for i in range(0, len(order), 2)
+        ],
         "steps_timed_per_run": last - first + 1,
         "order": order,
     }
@@ -237,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Each parallel layout under the manager vs plain torch.distributed.")
     parser.add_argument("--steps", type=int, default=80, help="optimizer steps per run (default 80)")
     parser.add_argument("--warmup", type=int, default=20, help="leading steps left out of the median: start-up transients (default 20)")
-    parser.add_argument("--rounds", type=int, choices=(1, 2), default=1, help="1: a-b per layout, the order alternating between layouts (default); 2: a-b-b-a per layout")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="runs of each side per layout: a-b, then b-a, a-b, ... (default 1; the first side alternates between layouts)",
+    )
     parser.add_argument("--only", action="append", default=[], help="run only layouts with this name (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.steps < args.warmup + 3:
         parser.error("--steps must leave at least 2 timed steps after --warmup and before the last step")
     selected = [(n, w, s) for n, w, s in LAYOUTS if not args.only or n in args.only]

@@ -4,6 +4,11 @@ The embedded cluster is a `ray.cluster_utils.Cluster`: a head without worker
 slots (it hosts the controller) and simulated nodes, each with room for
 `workers_per_node` workers. Removing one of them is a real node failure:
 its raylet and every worker process on it die.
+
+A job that fits on one node and removes none runs its workers on the head
+itself, as `ray.init()` on a laptop would: a second node would only add a
+raylet and two agents (about 1.5% of a core on a 2-core machine, in polling
+and reports) and a second or so of start-up.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ not wait for a last export before the cluster goes away (`elastic.job`)."""
 class EmbeddedCluster:
     """A multi-node Ray cluster inside this machine, on 127.0.0.1 only."""
 
-    def __init__(self, nodes: int, cpus_per_node: float, gpus_per_node: float = 0):
+    def __init__(self, nodes: int, cpus_per_node: float, gpus_per_node: float = 0, *, workers_on_head: bool = False):
+        """`nodes` simulated nodes, or with `workers_on_head` (one node's worth, `nodes` must be 1) the head alone."""
+        if workers_on_head and nodes != 1:
+            raise ValueError(f"workers_on_head holds one node's workers, not {nodes} nodes'")
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only; never set when joining a real cluster
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from ray.cluster_utils import Cluster
@@ -46,12 +54,14 @@ class EmbeddedCluster:
             # No dashboard, autoscaler monitor or log monitor: nothing reads them here, and on a small
             # machine their polling is CPU taken from training.
             head_node_args={
-                "num_cpus": 0, "include_dashboard": False, "no_monitor": True, "include_log_monitor": False,
+                "num_cpus": cpus_per_node if workers_on_head else 0,
+                "num_gpus": gpus_per_node if workers_on_head else 0,
+                "include_dashboard": False, "no_monitor": True, "include_log_monitor": False,
                 "_system_config": EMBEDDED_SYSTEM_CONFIG,
             },
         )
-        self.nodes = {}
-        for _ in range(nodes):
+        self.nodes = {}  # the removable nodes; the head is never one of them
+        for _ in range(0 if workers_on_head else nodes):
             self.add_node()
         ray.init(address=self.cluster.address, logging_level="ERROR", log_to_driver=False)
         self.cluster.wait_for_nodes()
@@ -70,10 +80,16 @@ class EmbeddedCluster:
         self.cluster.shutdown()
 
 
-def connect(address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float) -> EmbeddedCluster | None:
-    """Join `address` (or RAY_ADDRESS, set by `ray job submit`); else start an embedded cluster."""
+def connect(
+    address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float, *, removes_nodes: bool = False
+) -> EmbeddedCluster | None:
+    """Join `address` (or RAY_ADDRESS, set by `ray job submit`); else start an embedded cluster.
+
+    `removes_nodes`: the job will remove and add nodes (node faults), so even
+    one node's workers need a node of their own, apart from the head.
+    """
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level="ERROR")
         return None
-    return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node)
+    return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node, workers_on_head=nodes == 1 and not removes_nodes)

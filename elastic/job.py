@@ -55,8 +55,9 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper
     nodes = math.ceil(s.num_workers / per_node)
-    cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker)
-    if any(f.kind == "node" for f in faults) and cluster is None:
+    removes_nodes = any(f.kind == "node" for f in faults)
+    cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes)
+    if removes_nodes and cluster is None:
         raise ConfigError("node faults remove Ray nodes: they need the embedded cluster, not a real one")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)

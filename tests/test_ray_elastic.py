@@ -64,3 +64,20 @@ def test_worker_that_cannot_start_is_reported_not_hung(tmp_path):
     (failure,) = report["failures"]
     assert failure["detected_as"] == "worker_error"
     assert "CUDA" in failure["error"] or "cuda" in failure["error"]
+
+
+def test_one_node_runs_on_the_head_unless_nodes_are_removed():
+    import ray
+
+    from elastic.cluster import connect
+
+    for removes_nodes, want_nodes, head_cpus in ((False, 1, 2.0), (True, 2, 0.0)):
+        cluster = connect(None, 1, 2, 0, removes_nodes=removes_nodes)
+        try:
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            head = [n for n in alive if n["NodeID"] not in cluster.nodes]
+            assert len(alive) == want_nodes and len(head) == 1
+            assert head[0]["Resources"].get("CPU", 0.0) == head_cpus
+            assert sum(n["Resources"].get("CPU", 0.0) for n in alive) == 2.0
+        finally:
+            cluster.shutdown()
