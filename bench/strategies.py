@@ -230,13 +230,13 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
 
 def table(result: dict) -> str:
     lines = [
-        "| layout | world | step_s (manager) | step_s (plain) | overhead_ratio | max_rel_diff_vs_reference |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| layout | world | step_s (manager) | step_s (plain) | overhead_ratio | max_rel_diff_vs_reference | round_ratios |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["layouts"]:
         lines.append(
             f"| {r['layout']} | {r['world']} | {r['step_s']:.4f} | {r['baseline_step_s']:.4f} | "
-            f"{r['overhead_ratio']:.3f} | {r['max_rel_diff_vs_reference']:.1e} |"
+            f"{r['overhead_ratio']:.3f} | {r['max_rel_diff_vs_reference']:.1e} | {' '.join(f'{x:.2f}' for x in r['round_ratios'])} |"
         )
     return "\n".join(lines)
 
