@@ -76,7 +76,7 @@ class ScalingConfig(_Section):
     num_workers: int = Field(4, ge=1, description="Workers (ranks) to start with.")
     min_workers: int = Field(1, ge=1, description="The job waits (then fails) below this many workers.")
     max_workers: int = Field(0, ge=0, description="The job grows back up to this many; 0 means num_workers.")
-    workers_per_node: int = Field(0, ge=0, description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node.")
+    workers_per_node: int = Field(0, ge=0, description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node. One node runs its workers on the head unless node faults need a node to remove.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
     gpus_per_worker: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 selects CUDA and NCCL.")
     wait_for_workers_s: float = Field(30.0, ge=0, description="How long to wait for min_workers before failing.")
