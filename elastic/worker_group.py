@@ -39,6 +39,10 @@ class Member:
 LONG_POLL_S = 1.0
 """How long a worker holds a poll open when it has only step records to report: fewer Ray calls compete
 with training (each poll takes the worker's GIL), while deaths, saves and errors are still seen at once."""
+GATHER_S = 0.02
+"""Once one rank's poll answers, how long a round waits for the others' before it takes what has arrived:
+a round costs two `ray.wait` calls per batch of answers instead of two per answer (quadratic in the
+ranks, since each call takes every outstanding poll), and a death is seen at most this much later."""
 
 
 class StartError(RuntimeError):
@@ -118,29 +122,30 @@ class RayWorkerGroup:
 
         Each rank's poll is a long poll (up to LONG_POLL_S): it answers when its
         loop records something (a save, an error, the end: at once; steps: in
-        batches every `elastic.train.STEP_REPORT_S`). A round returns what arrived within `timeout_s`, at once
-        when a rank is dead: Ray fails a dead actor's outstanding poll within
-        moments, so detection does not depend on the poll rate.
+        batches every `elastic.train.STEP_REPORT_S`). A round returns what arrived within `timeout_s`, and
+        within GATHER_S when a rank is dead: Ray fails a dead actor's outstanding
+        poll within moments, so detection does not depend on the poll rate.
         """
         for m in self.members:
             if m.pending is None:
                 m.pending = m.actor.poll.remote(LONG_POLL_S)
         deadline = time.monotonic() + timeout_s
         results: dict[int, RankStatus] = {}
-        while True:
-            waiting = [m for m in self.members if m.pending is not None]
-            ready, _ = ray.wait([m.pending for m in waiting], num_returns=len(waiting), timeout=0) if waiting else ([], [])
-            ready = set(ready)
+        waiting = [m for m in self.members if m.pending is not None]
+        while waiting:
+            refs = [m.pending for m in waiting]
+            if not ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))[0]:
+                break  # the round is over
+            # Ranks in lockstep answer within moments of each other: take them in one call, not one call each.
+            gather_s = min(GATHER_S, max(0.0, deadline - time.monotonic()))
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=gather_s)[0])
             for m in waiting:
                 if m.pending in ready:
                     ref, m.pending = m.pending, None
                     results[m.rank] = self._status(m.rank, ref)
-            waiting = [m for m in self.members if m.pending is not None]
-            left = deadline - time.monotonic()
-            dead = any(not s.alive for s in results.values())
-            if not waiting or dead or left <= 0:
+            if any(not s.alive for s in results.values()):
                 break
-            ray.wait([m.pending for m in waiting], num_returns=1, timeout=left)
+            waiting = [m for m in waiting if m.pending is not None]
         return [results[m.rank] for m in self.members if m.rank in results]
 
     @staticmethod
