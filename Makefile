@@ -28,14 +28,14 @@ test-slow: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest -q --timeout 3600 -m chaos
 
-# All three benchmarks, one after the other (~12 min).
+# All three benchmarks, one after the other (~40 min).
 bench: bench-strategies bench-checkpoint bench-recovery
 
 # Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~5 min): bench/results/recovery.json
 bench-recovery: $(STAMP)
 	$(PY) bench/recovery.py
 
-# Each parallel layout under the manager vs the same Trainer as plain torch.distributed, 4 alternating rounds (~25 min; bench/README.md).
+# Each parallel layout under the manager vs the same Trainer as plain torch.distributed, 4 alternating rounds (~30 min; bench/README.md).
 bench-strategies: $(STAMP)
 	$(PY) bench/strategies.py --rounds 4 --steps 60
 
