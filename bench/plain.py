@@ -111,6 +111,16 @@ def losses_from(records: list[list[dict]], cfg: JobConfig) -> list[float]:
     return [sums[s] / tokens for s in sorted(sums)]
 
 
+def step_done_times(records: list[list[dict]]) -> dict[int, float]:
+    """When each step was complete: its slowest rank's `step` record time."""
+    done: dict[int, float] = {}
+    for rank_records in records:
+        for r in rank_records:
+            if r["kind"] == "step":
+                done[r["step"]] = max(done.get(r["step"], 0.0), r["t"])
+    return done
+
+
 def step_times(records: list[list[dict]], first: int = 0, last: int | None = None) -> dict[int, float]:
     """Seconds per step from the ranks' own step records: the gap between consecutive step completions.
 
@@ -119,11 +129,7 @@ def step_times(records: list[list[dict]], first: int = 0, last: int | None = Non
     done(k) - done(k-1): data, forward/backward, optimizer and whatever else
     ran on the ranks in between. Steps `first`..`last` (inclusive) are kept.
     """
-    done: dict[int, float] = {}
-    for rank_records in records:
-        for r in rank_records:
-            if r["kind"] == "step":
-                done[r["step"]] = max(done.get(r["step"], 0.0), r["t"])
+    done = step_done_times(records)
     last = max(done) if last is None else last
     return {s: done[s] - done[s - 1] for s in sorted(done) if first <= s <= last and s - 1 in done}
 

@@ -22,6 +22,15 @@ minutes) cancels; `round_ratios` keeps each round's own ratio to show it. Both s
 same torch thread count (the worker's rule, `ELASTIC_TORCH_THREADS`, 1 by
 default) and OMP_NUM_THREADS.
 
+Where the CPU went: `bench/cpu.py` samples /proc once a second during each
+run. Over the timed steps it reports the cores used by the ranks' training
+and gloo threads, by the rest of the rank processes (Ray's in-process
+threads, a warm spare), by the launcher (the controller with Ray's daemons,
+or the plain parent), by the rest of the machine, and the idle cores
+(`cores_used`, median over each side's runs). `job_cpu_ratio` is the CPU
+seconds one step cost the job, manager / plain. It is less at the mercy of
+the machine's drift than the step-time ratio.
+
 Correctness: the manager's per-step losses (from its report) are compared
 with a single-process reference that uses none of `strategies/` (plain
 model, AdamW, clipping, the same LR schedule and the same samples):
@@ -56,7 +65,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import elastic.job  # noqa: E402
-from bench.plain import layout_for, losses_from, run_plain, step_times, torch_threads  # noqa: E402
+from bench.cpu import CLASSES, CpuSampler  # noqa: E402
+from bench.plain import layout_for, losses_from, run_plain, step_done_times, step_times, torch_threads  # noqa: E402
 from elastic.config import JobConfig, load_config  # noqa: E402
 from elastic.controller import Controller  # noqa: E402
 from elastic.data import GlobalSampler, SyntheticTokens  # noqa: E402
@@ -191,24 +201,34 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
     samples: dict[str, list[float]] = {"manager": [], "plain": []}
     run_medians: list[float] = []
     manager_losses = plain_losses = None
+    cores: dict[str, list[dict[str, float]]] = {"manager": [], "plain": []}
     for side in order:
         t0 = time.time()
-        if side == "manager":
-            records, report = run_manager(cfg)
-            manager_losses = report["losses"]
-        else:
-            with tempfile.TemporaryDirectory(prefix="plain-ckpt-", dir=workdir) as ckpt:
-                plain_cfg = cfg.model_copy(deep=True)
-                plain_cfg.checkpoint.uri = ckpt
-                records = run_plain(plain_cfg, layout)
-            plain_losses = losses_from(records, cfg)
+        with CpuSampler() as sampler:
+            if side == "manager":
+                records, report = run_manager(cfg)
+                manager_losses = report["losses"]
+            else:
+                with tempfile.TemporaryDirectory(prefix="plain-ckpt-", dir=workdir) as ckpt:
+                    plain_cfg = cfg.model_copy(deep=True)
+                    plain_cfg.checkpoint.uri = ckpt
+                    records = run_plain(plain_cfg, layout)
+                plain_losses = losses_from(records, cfg)
         times = step_times(records, first, last)
         samples[side] += list(times.values())
         run_medians.append(statistics.median(times.values()))
+        done = step_done_times(records)
+        if (window := sampler.window(done.get(first - 1, done[first]), done[last])) is not None:
+            cores[side].append(window)
         print(f"  {name:28s} {side:7s} median {statistics.median(times.values()):.4f}s over {len(times)} steps ({time.time() - t0:.1f}s wall)", flush=True)
     ref = reference_losses(cfg)
     step_s = statistics.median(samples["manager"])
     base_s = statistics.median(samples["plain"])
+    # Cores used by each class over the timed steps (median over runs), and the CPU seconds one step costs each side.
+    cpu = {
+        side: {k: statistics.median(w[k] for w in windows) for k in CLASSES} if windows else None
+        for side, windows in cores.items()
+    }
     return {
         "layout": name,
         "world": world,
@@ -223,9 +243,17 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
             run_medians[i] / run_medians[i + 1] if order[i] == "manager" else run_medians[i + 1] / run_medians[i]
             for i in range(0, len(order), 2)
         ],
+        # Cores used per class over the timed steps (bench/cpu.py), median over the side's runs.
+        "cores_used": cpu,
+        # CPU seconds per step the job itself used (all classes but machine_other and idle), manager / plain.
+        "job_cpu_ratio": _job_cpu(cpu["manager"], step_s) / _job_cpu(cpu["plain"], base_s) if cpu["manager"] and cpu["plain"] else None,
         "steps_timed_per_run": last - first + 1,
         "order": order,
     }
+
+
+def _job_cpu(cores: dict[str, float], step_s: float) -> float:
+    return step_s * (cores["training"] + cores["rank_other"] + cores["launcher"])
 
 
 def table(result: dict) -> str:
@@ -238,6 +266,21 @@ def table(result: dict) -> str:
             f"| {r['layout']} | {r['world']} | {r['step_s']:.4f} | {r['baseline_step_s']:.4f} | "
             f"{r['overhead_ratio']:.3f} | {r['max_rel_diff_vs_reference']:.1e} | {' '.join(f'{x:.2f}' for x in r['round_ratios'])} |"
         )
+    return "\n".join(lines)
+
+
+def cpu_table(result: dict) -> str:
+    """Cores used per class over the timed steps, manager | plain, and the job's CPU per step, manager / plain."""
+    lines = [
+        "| layout | training (m / p) | rank other (m / p) | launcher (m / p) | rest of machine (m / p) | idle (m / p) | job_cpu_ratio |",
+        "|---|---|---|---|---|---|---:|",
+    ]
+    for r in result["layouts"]:
+        m, p = (r["cores_used"] or {}).get("manager"), (r["cores_used"] or {}).get("plain")
+        if not (m and p):
+            continue
+        cells = [f"{m[k]:.3f} / {p[k]:.3f}" for k in ("training", "rank_other", "launcher", "machine_other", "idle")]
+        lines.append(f"| {r['layout']} | " + " | ".join(cells) + f" | {r['job_cpu_ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -269,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
+    print()
+    print(cpu_table(result))
     print(f"\nwrote {args.out} in {result['wall_s']:.0f}s")
     return 0
 
