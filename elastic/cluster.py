@@ -17,6 +17,8 @@ import os
 
 import ray
 
+from elastic.sched import batch_what_starts_here
+
 # Faster node-death detection than Ray's defaults (seconds instead of ~15 s).
 FAST_FAILURE_SYSTEM_CONFIG = {
     "health_check_initial_delay_ms": 0,
@@ -49,25 +51,27 @@ class EmbeddedCluster:
 
         self.cpus_per_node = cpus_per_node
         self.gpus_per_node = gpus_per_node
-        self.cluster = Cluster(
-            initialize_head=True,
-            # No dashboard, autoscaler monitor or log monitor: nothing reads them here, and on a small
-            # machine their polling is CPU taken from training.
-            head_node_args={
-                "num_cpus": cpus_per_node if workers_on_head else 0,
-                "num_gpus": gpus_per_node if workers_on_head else 0,
-                "include_dashboard": False, "no_monitor": True, "include_log_monitor": False,
-                "_system_config": EMBEDDED_SYSTEM_CONFIG,
-            },
-        )
         self.nodes = {}  # the removable nodes; the head is never one of them
-        for _ in range(0 if workers_on_head else nodes):
-            self.add_node()
-        ray.init(address=self.cluster.address, logging_level="ERROR", log_to_driver=False)
+        with batch_what_starts_here():  # Ray's daemons, the workers they fork and this driver's Ray threads (elastic.sched)
+            self.cluster = Cluster(
+                initialize_head=True,
+                # No dashboard, autoscaler monitor or log monitor: nothing reads them here, and on a small
+                # machine their polling is CPU taken from training.
+                head_node_args={
+                    "num_cpus": cpus_per_node if workers_on_head else 0,
+                    "num_gpus": gpus_per_node if workers_on_head else 0,
+                    "include_dashboard": False, "no_monitor": True, "include_log_monitor": False,
+                    "_system_config": EMBEDDED_SYSTEM_CONFIG,
+                },
+            )
+            for _ in range(0 if workers_on_head else nodes):
+                self.add_node()
+            ray.init(address=self.cluster.address, logging_level="ERROR", log_to_driver=False)
         self.cluster.wait_for_nodes()
 
     def add_node(self) -> str:
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
+        with batch_what_starts_here():
+            node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
         self.nodes[node.node_id] = node
         return node.node_id
 
@@ -90,6 +94,7 @@ def connect(
     """
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level="ERROR")
+        with batch_what_starts_here():  # this driver's Ray threads
+            ray.init(address=address, logging_level="ERROR")
         return None
     return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node, workers_on_head=nodes == 1 and not removes_nodes)

@@ -20,6 +20,7 @@ from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
 from elastic.progress import ProgressPrinter
 from elastic.report import build_report, write_report
+from elastic.sched import batch_what_starts_here
 from elastic.worker_group import RayWorkerGroup
 
 
@@ -50,7 +51,16 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
 
 
 def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | None = None, fresh: bool = False, quiet: bool = False) -> dict:
-    """Run the job to the end and return its report (also written to the run directory)."""
+    """Run the job to the end and return its report (also written to the run directory).
+
+    The controller and every thread and process the job starts from here run
+    on SCHED_BATCH (`elastic.sched`): their wake-ups never preempt a rank.
+    """
+    with batch_what_starts_here():
+        return _run_job(cfg, inject, address=address, fresh=fresh, quiet=quiet)
+
+
+def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, fresh: bool, quiet: bool) -> dict:
     cfg, faults = prepare(cfg, inject, fresh)
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper

@@ -30,6 +30,8 @@ from datetime import timedelta
 
 import ray
 
+from elastic.sched import batch_this_process, normal_this_thread
+
 
 @ray.remote(max_restarts=0, max_concurrency=4)
 class Worker:
@@ -40,6 +42,7 @@ class Worker:
         import elastic.train  # noqa: F401
 
         torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
+        batch_this_process()  # Ray's threads here never preempt the training thread (elastic.sched)
         self._thread: threading.Thread | None = None
         self._control = None
         self._progress = None
@@ -75,6 +78,7 @@ class Worker:
 
         from elastic.train import Trainer
 
+        normal_this_thread()  # started by a Ray thread, which is on SCHED_BATCH
         try:
             store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
             gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
