@@ -224,7 +224,7 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
     ref = reference_losses(cfg)
     step_s = statistics.median(samples["manager"])
     base_s = statistics.median(samples["plain"])
-    # Cores used by each class over the timed steps (median over runs), and the CPU seconds one step costs each side.
+    # Cores used by each class over the timed steps, median over each side's runs (None: no window long enough).
     cpu = {
         side: {k: statistics.median(w[k] for w in windows) for k in CLASSES} if windows else None
         for side, windows in cores.items()
@@ -270,13 +270,13 @@ def table(result: dict) -> str:
 
 
 def cpu_table(result: dict) -> str:
-    """Cores used per class over the timed steps, manager | plain, and the job's CPU per step, manager / plain."""
+    """Cores used per class over the timed steps (manager / plain), and the job's CPU per step, manager / plain."""
     lines = [
         "| layout | training (m / p) | rank other (m / p) | launcher (m / p) | rest of machine (m / p) | idle (m / p) | job_cpu_ratio |",
         "|---|---|---|---|---|---|---:|",
     ]
     for r in result["layouts"]:
-        m, p = (r["cores_used"] or {}).get("manager"), (r["cores_used"] or {}).get("plain")
+        m, p = r["cores_used"]["manager"], r["cores_used"]["plain"]
         if not (m and p):
             continue
         cells = [f"{m[k]:.3f} / {p[k]:.3f}" for k in ("training", "rank_other", "launcher", "machine_other", "idle")]
