@@ -9,16 +9,16 @@ by each class:
 
 - `training`: each rank process's busiest thread (the training loop) and its
   gloo threads, i.e. the work both launchers must do;
-- `rank_other`: every other thread of the rank processes (for a Ray worker:
-  the core worker's timers, RPC and io threads) and rank processes that did
+- `rank_other`: every other thread of the rank processes (under the
+  manager: the command and reporter threads) and rank processes that did
   not train (a warm spare);
 - `launcher`: this process (the controller, or the plain launcher waiting on
   its children, and the sampler itself) and the rest of its tree (Ray's GCS,
-  raylet and agents);
+  raylet and agents, and the node agents that run the ranks);
 - `machine_other`: everything else on the machine (other users, the kernel);
 - `idle`: cores nobody used.
 
-Rank processes are the tree's `ray::Worker*` processes (manager) and
+Rank processes are the tree's `elastic.rank_process` processes (manager) and
 `multiprocessing` spawn children (plain). Reading /proc costs the sampler a
 few milliseconds a second, on both sides alike.
 """
@@ -53,9 +53,8 @@ def _stat(path: str) -> tuple[str, int, float] | None:
 
 
 def _is_rank(comm: str, pid: int) -> bool:
-    if comm.startswith("ray::Worker"):
-        return True
-    return "multiprocessing.spawn" in (_read(f"/proc/{pid}/cmdline") or "")
+    cmdline = _read(f"/proc/{pid}/cmdline") or ""
+    return "elastic.rank_process" in cmdline or "multiprocessing.spawn" in cmdline
 
 
 def snapshot(root: int) -> dict:

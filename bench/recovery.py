@@ -216,9 +216,9 @@ def _proc_start_time(pid: int) -> float | None:
 def _instrument_worker_group(log: Log) -> None:
     """Time the sub-phases of RayWorkerGroup.start/shutdown in this (driver) process; elastic itself is unchanged.
 
-    start() = create actors -> ray.get(info) (actor process up, `import torch` in Worker.__init__)
-    -> ray.get(start) (the training thread is launched). The worker processes' creation
-    times come from /proc (same machine).
+    start() = agents' prepare -> ray.get (the rank processes up: warm ones reused, new ones
+    spawned and `import torch`, `elastic.train`) -> ray.get(start) (the training threads are
+    launched). The rank processes' creation times come from /proc (same machine).
     """
     import ray
 
@@ -529,11 +529,11 @@ def _worker_group_phases(run: dict) -> dict:
     st1 = next((e for e in after if e["ev"] == "wg_start_end"), None)
     out = {}
     if sd0 and sd1:
-        out["ray.kill the old generation's actors"] = sd1["t"] - sd0["t"]
+        out["shutdown: the agents kill the rank processes, then ray.kill the agents"] = sd1["t"] - sd0["t"]
     if st0 and info:
-        out["new actors up: Ray leases a worker process, Worker.__init__ imports torch (ray.get(info))"] = info["t"] - st0["t"]
+        out["rank processes up: agents reuse warm ones or spawn and import torch + elastic.train (ray.get(prepare))"] = info["t"] - st0["t"]
     if info and started:
-        out["Worker.start: imports elastic.train (storage, strategies -> torch.distributed.tensor/pipelining/_dynamo)"] = started["t"] - info["t"]
+        out["agents hand each rank process its spec; the training threads start (ray.get(start))"] = started["t"] - info["t"]
     if "running" in marks and "first_step_began" in marks:
         out["training thread: TCPStore, init_process_group, mesh, FSDP wrap, checkpoint load"] = marks["first_step_began"] - marks["running"]
     if "first_step_began" in marks and "first_step_done" in marks:
@@ -541,7 +541,7 @@ def _worker_group_phases(run: dict) -> dict:
     if st1 and st1.get("proc_start") and "fault" in marks:
         created = [v for v in st1["proc_start"].values() if v]
         if created:
-            out["note: new worker processes were created this long after the fault (negative: Ray pre-started them)"] = max(created) - marks["fault"]
+            out["note: new worker processes were created this long after the fault (negative: a warm spare was already up)"] = max(created) - marks["fault"]
     return out
 
 

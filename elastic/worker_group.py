@@ -1,8 +1,10 @@
-"""The Ray-backed worker group: places, starts, polls and tears down one generation of workers.
+"""The Ray-backed worker group: places, starts, polls and tears down one generation of ranks.
 
-Placement fills nodes in a stable order with consecutive ranks, so a
-tensor-parallel group (consecutive ranks, `tp` innermost) stays on one node
-whenever a node's slots are a multiple of `tp`.
+Each node that hosts ranks has one `elastic.agent.NodeAgent` (a Ray actor)
+that runs them as child processes; the group talks to the agents, never to a
+rank directly. Placement fills nodes in a stable order with consecutive
+ranks, so a tensor-parallel group (consecutive ranks, `tp` innermost) stays
+on one node whenever a node's slots are a multiple of `tp`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic.agent import NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
-from elastic.worker import Worker
 
 
 @dataclass
@@ -31,22 +33,20 @@ class RankStatus:
 class Member:
     rank: int
     node_id: str
-    actor: object
     pid: int = 0
-    pending: object = None
 
 
 LONG_POLL_S = 1.0
-"""How long a worker holds a poll open when it has only step records to report: fewer Ray calls compete
-with training (each poll takes the worker's GIL), while deaths, saves and errors are still seen at once."""
+"""How long an agent holds a poll open when its ranks have only step records to report: fewer Ray calls
+compete with training, while deaths, saves and errors are still seen at once."""
 GATHER_S = 0.02
-"""Once one rank's poll answers, how long a round waits for the others' before it takes what has arrived:
-a round costs two `ray.wait` calls per batch of answers instead of two per answer (quadratic in the
-ranks, since each call takes every outstanding poll), and a death is seen at most this much later."""
+"""Once one agent's poll answers, how long a round waits for the others' before it takes what has arrived:
+a round costs two `ray.wait` calls per batch of answers instead of two per answer, and a death is seen
+at most this much later."""
 
 
 class StartError(RuntimeError):
-    """Workers could not be started; the message carries the worker's own error."""
+    """Workers could not be started; the message carries the rank process's own error."""
 
 
 @dataclass
@@ -56,7 +56,9 @@ class RayWorkerGroup:
     store_port: int
     members: list[Member] = field(default_factory=list)
     excluded_nodes: set[str] = field(default_factory=set)
-    idle: dict[str, list] = field(default_factory=dict)  # warm workers of ended generations, by node
+    agents: dict[str, object] = field(default_factory=dict)  # by node; each keeps its warm rank processes
+    generation: int = -1
+    _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
 
     # -- capacity ----------------------------------------------------------------
     def _slots(self, resources: dict) -> int:
@@ -76,97 +78,121 @@ class RayWorkerGroup:
         return sum(s for _, s in self.node_slots())
 
     # -- lifecycle ---------------------------------------------------------------
+    def _agent(self, node_id: str, slots: int):
+        """The node's agent, created on first use with the node's whole worker capacity reserved."""
+        if node_id not in self.agents:
+            s = self.cfg.scaling
+            self.agents[node_id] = NodeAgent.options(
+                num_cpus=slots * s.cpus_per_worker,
+                num_gpus=slots * s.gpus_per_worker,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(s.cpus_per_worker, s.gpus_per_worker)
+        return self.agents[node_id]
+
+    def _by_node(self) -> dict[str, list[Member]]:
+        out: dict[str, list[Member]] = {}
+        for m in self.members:
+            out.setdefault(m.node_id, []).append(m)
+        return out
+
     def start(self, layout: Layout, specs: list[dict], *, with_spares: bool = False) -> None:
-        """Create one actor per rank (node by node), check each started, then start training.
+        """Place the ranks node by node, have each node's agent bring up its rank processes, then start training.
 
         `with_spares` also starts the warm spares (`replenish`) alongside the
         ranks, so that their start-up overlaps the ranks' own instead of
         taking CPU from training later (the job's first start, which no
         failure is waiting on).
         """
-        s = self.cfg.scaling
+        nodes = self.node_slots()
         placement: list[str] = []
-        for node_id, slots in self.node_slots():
+        for node_id, slots in nodes:
             placement += [node_id] * slots
         if len(placement) < layout.world_size:
             raise StartError(f"need {layout.world_size} worker slots, the cluster has {len(placement)}")
-        self.members = []
-        for rank in range(layout.world_size):
-            node = placement[rank]
-            warm = self.idle.get(node)
-            actor = warm.pop() if warm else Worker.options(
-                num_cpus=s.cpus_per_worker,
-                num_gpus=s.gpus_per_worker,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote()
-            self.members.append(Member(rank, node, actor))
-        # Warm workers this layout has no slot for: one per node stays as a spare, the rest go.
-        spares = {node: actors[:1] for node, actors in self.idle.items() if actors and self._spares_wanted()}
-        self._kill([a for node, actors in self.idle.items() for a in actors[len(spares.get(node, [])):]])
-        self.idle = spares
+        for node_id in [n for n in self.agents if n not in dict(nodes)]:  # excluded or gone: its agent and ranks go
+            self._kill(self.agents.pop(node_id))
+        self.members = [Member(rank, placement[rank]) for rank in range(layout.world_size)]
+        self.generation, self._pending = specs[0]["generation"], {}
+        by_node = self._by_node()
+        keep_idle = 1 if self._spares_wanted() else 0  # warm processes this layout has no slot for: one per node stays
+        timeout = self.cfg.fault.startup_timeout_s
+        agents = {node_id: self._agent(node_id, slots) for node_id, slots in nodes if node_id in by_node or node_id in self.agents}
+        try:  # a rank process that cannot start (import error, no such device) fails here with its own error
+            ray.get([a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout) for n, a in agents.items()], timeout=timeout + 10)
+        except GetTimeoutError:
+            raise StartError(f"workers did not start within fault.startup_timeout_s={timeout}s") from None
+        except (RayActorError, RayTaskError) as exc:
+            self._forget_dead_agents()
+            raise StartError(f"a worker failed to start: {exc}") from None
         if with_spares:
             self.replenish()
-        try:  # an actor that cannot start (import error, no such device) fails here with its own error
-            infos = ray.get([m.actor.info.remote() for m in self.members], timeout=self.cfg.fault.startup_timeout_s)
-            for member, info in zip(self.members, infos):
-                member.pid = info["pid"]  # for diagnostics and the recovery benchmark's start-up breakdown
-        except GetTimeoutError:
-            raise StartError(f"workers did not start within fault.startup_timeout_s={self.cfg.fault.startup_timeout_s}s") from None
-        except (RayActorError, RayTaskError) as exc:
-            raise StartError(f"a worker failed to start: {exc}") from None
-        timeout = max(60.0, self.cfg.fault.startup_timeout_s)
-        ray.get([m.actor.start.remote(spec, self.store_host, self.store_port, timeout) for m, spec in zip(self.members, specs)])
+        store_timeout = max(60.0, timeout)
+        pids = ray.get([
+            agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
+            for n, ms in by_node.items()
+        ])
+        for node_pids in pids:
+            for m in self.members:
+                m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
-        """One round of polls; a rank whose actor is dead comes back with alive=False.
+        """One round of polls; a rank whose process (or whose node's agent) is dead comes back with alive=False.
 
-        Each rank's poll is a long poll (up to LONG_POLL_S): it answers when its
-        loop records something (a save, an error, the end: at once; steps: in
-        batches every `elastic.train.STEP_REPORT_S`). A round returns what arrived within `timeout_s`, and
-        within GATHER_S when a rank is dead: Ray fails a dead actor's outstanding
-        poll within moments, so detection does not depend on the poll rate.
+        Each agent's poll is a long poll (up to LONG_POLL_S) over its node's
+        ranks: it answers when a rank records something (a save, an error, the
+        end: at once; steps: in batches every `elastic.train.STEP_REPORT_S`) or
+        dies. A round returns what arrived within `timeout_s`, and within
+        GATHER_S when a rank is dead: Ray fails a dead agent's outstanding poll
+        within moments, so detection does not depend on the poll rate.
         """
-        for m in self.members:
-            if m.pending is None:
-                m.pending = m.actor.poll.remote(LONG_POLL_S)
+        by_node = self._by_node()
+        for node_id in by_node:
+            if node_id not in self._pending:
+                self._pending[node_id] = self.agents[node_id].poll.remote(self.generation, LONG_POLL_S)
         deadline = time.monotonic() + timeout_s
         results: dict[int, RankStatus] = {}
-        waiting = [m for m in self.members if m.pending is not None]
+        waiting = dict(self._pending)
         while waiting:
-            refs = [m.pending for m in waiting]
+            refs = list(waiting.values())
             if not ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))[0]:
                 break  # the round is over
-            # Ranks in lockstep answer within moments of each other: take them in one call, not one call each.
+            # Agents answer within moments of each other when ranks are in lockstep: take them in one call.
             gather_s = min(GATHER_S, max(0.0, deadline - time.monotonic()))
             ready = set(ray.wait(refs, num_returns=len(refs), timeout=gather_s)[0])
-            for m in waiting:
-                if m.pending in ready:
-                    ref, m.pending = m.pending, None
-                    results[m.rank] = self._status(m.rank, ref)
+            for node_id, ref in list(waiting.items()):
+                if ref in ready:
+                    del waiting[node_id], self._pending[node_id]
+                    for status in self._statuses(by_node[node_id], ref):
+                        results[status.rank] = status
             if any(not s.alive for s in results.values()):
                 break
-            waiting = [m for m in waiting if m.pending is not None]
         return [results[m.rank] for m in self.members if m.rank in results]
 
     @staticmethod
-    def _status(rank: int, ref) -> RankStatus:
+    def _statuses(members: list[Member], ref) -> list[RankStatus]:
         try:
-            return RankStatus(rank, True, ray.get(ref))
-        except RayActorError as exc:
-            return RankStatus(rank, False, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            answers = ray.get(ref)
+        except RayActorError as exc:  # the agent is gone, and every rank on its node with it
+            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return [RankStatus(m.rank, False, error=error) for m in members]
+        return [
+            RankStatus(m.rank, True, a["poll"]) if a["alive"] else RankStatus(m.rank, False, error=a["error"])
+            for m in members if (a := answers.get(m.rank)) is not None
+        ]
 
     def stop_after(self, step: int) -> None:
-        ray.get([m.actor.stop_after.remote(step) for m in self.members])
+        ray.get([self.agents[n].stop_after.remote(step) for n in self._by_node()])
 
     def stacks(self, timeout_s: float = 5.0) -> dict[int, str]:
-        refs = {m.rank: m.actor.stacks.remote() for m in self.members}
+        by_node = self._by_node()
+        refs = {n: self.agents[n].stacks.remote(timeout_s) for n in by_node}
         out = {}
-        for rank, ref in refs.items():
+        for node_id, ref in refs.items():
             try:
-                out[rank] = ray.get(ref, timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 - a rank that cannot answer is reported as such
-                out[rank] = f"<no stack: {type(exc).__name__}>"
-        return out
+                out.update(ray.get(ref, timeout=timeout_s + 1))
+            except Exception as exc:  # noqa: BLE001 - a node that cannot answer is reported as such
+                out.update({m.rank: f"<no stack: {type(exc).__name__}>" for m in by_node[node_id]})
+        return {m.rank: out.get(m.rank, "<no stack: no answer>") for m in self.members}
 
     def node_of(self, rank: int) -> str | None:
         return self.members[rank].node_id if rank < len(self.members) else None
@@ -175,62 +201,66 @@ class RayWorkerGroup:
         return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
     def _spares_wanted(self) -> bool:
-        """Spares hold no CPU reservation; a GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
+        """A GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
         return self.cfg.scaling.gpus_per_worker == 0
 
     def replenish(self) -> None:
-        """Start one warm spare worker on every usable node that has none (torch and the training code imported).
+        """Have one warm spare rank process on every usable node that has none (torch and the training code imported).
 
         A rank that dies is then replaced by a process that is already up: the
         next generation starts without paying a cold start. After a failure it
         is called once the new generation is training, so the spares'
         start-up never delays a restart.
         """
-        if not self._spares_wanted():
-            return
-        for node, _ in self.node_slots():
-            if not self.idle.get(node):
-                self.idle[node] = [
-                    Worker.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-                ]
+        if self._spares_wanted():
+            for node_id, slots in self.node_slots():
+                self._agent(node_id, slots).spare.remote()
 
     def teardown(self, kill_ranks=(), grace_s: float = 0.5) -> int:
         """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.
 
-        The ranks in `kill_ranks` (dead, or the culprit of a hang) are killed
-        first: that breaks the collectives the others wait in, so their loops
-        end and `reset` can release them. A survivor still stuck after
-        `grace_s` is killed too: nobody waits for a collective timeout.
+        Each agent kills its ranks in `kill_ranks` (dead, or the culprit of a
+        hang) first: that breaks the collectives the others wait in, so their
+        loops end and can be reset. A survivor still stuck after `grace_s` is
+        killed too: nobody waits for a collective timeout.
         """
-        doomed = [m for m in self.members if m.rank in set(kill_ranks)]
-        self._kill([m.actor for m in doomed])
-        rest = [m for m in self.members if m not in doomed]
-        resets = {m.rank: m.actor.reset.remote(grace_s) for m in rest}
-        ready, _ = ray.wait(list(resets.values()), num_returns=len(resets), timeout=grace_s + 0.5) if resets else ([], [])
+        refs = {n: self.agents[n].teardown.remote([m.rank for m in ms if m.rank in set(kill_ranks)], grace_s)
+                for n, ms in self._by_node().items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 2.0) if refs else ([], [])
         kept = 0
-        for m in rest:
-            ref = resets[m.rank]
+        for node_id, ref in refs.items():
             try:
-                reusable = ref in ready and ray.get(ref)
-            except RayActorError:
-                reusable = False
-            if reusable:
-                self.idle.setdefault(m.node_id, []).append(m.actor)
-                kept += 1
-            else:
-                self._kill([m.actor])
-        self.members = []
+                kept += ray.get(ref) if ref in ready else 0
+            except (RayActorError, RayTaskError):
+                pass
+            if ref not in ready:  # an agent that cannot end its generation in time goes, with its ranks
+                self._kill(self.agents.pop(node_id))
+        self._forget_dead_agents()
+        self.members, self._pending = [], {}
         return kept
 
+    def _forget_dead_agents(self) -> None:
+        """Drop the agents Ray reports dead (their node went, or they were killed): the next start makes new ones."""
+        dead = set()
+        for node_id, agent in self.agents.items():
+            try:
+                ray.get(agent.info.remote(), timeout=2.0)
+            except (RayActorError, GetTimeoutError):
+                dead.add(node_id)
+        for node_id in dead:
+            self._kill(self.agents.pop(node_id))
+
     def shutdown(self) -> None:
-        """Kill every worker, warm ones included (the end of the job)."""
-        self._kill([m.actor for m in self.members] + [a for actors in self.idle.values() for a in actors])
-        self.members, self.idle = [], {}
+        """Kill every rank process, warm ones included, and the agents (the end of the job)."""
+        refs = [a.shutdown.remote() for a in self.agents.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0) if refs else None
+        for agent in self.agents.values():
+            self._kill(agent)
+        self.members, self.agents, self._pending = [], {}, {}
 
     @staticmethod
-    def _kill(actors) -> None:
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+    def _kill(agent) -> None:
+        try:
+            ray.kill(agent, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass

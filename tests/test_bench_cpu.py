@@ -15,13 +15,13 @@ def _snap(t, busy, idle, tree, ranks):
 
 
 def test_classes_split_training_rank_overhead_launcher_and_the_rest():
-    # Over 10 s: rank 11 trains (busiest thread 6 s, a gloo thread 1 s, a Ray timer thread 0.2 s);
+    # Over 10 s: rank 11 trains (busiest thread 6 s, a gloo thread 1 s, its reporter thread 0.2 s);
     # process 12 is a warm spare (0.1 s, too little to be training); the launcher 10 used 0.5 s;
     # the machine was busy 9 s in all, so 9 - 7.8 = 1.2 s went to processes outside the tree.
     a = _snap(0.0, 100.0, 50.0, {10: 1.0, 11: 2.0, 12: 1.0},
-              {11: {1: ("train", 1.0), 2: ("gloo_tcp_loop", 0.5), 3: ("ray::Worker", 0.5)}, 12: {4: ("ray::Worker", 1.0)}})
+              {11: {1: ("train", 1.0), 2: ("gloo_tcp_loop", 0.5), 3: ("reporter", 0.5)}, 12: {4: ("MainThread", 1.0)}})
     b = _snap(10.0, 109.0, 61.0, {10: 1.5, 11: 9.2, 12: 1.1},
-              {11: {1: ("train", 7.0), 2: ("gloo_tcp_loop", 1.5), 3: ("ray::Worker", 0.7)}, 12: {4: ("ray::Worker", 1.1)}})
+              {11: {1: ("train", 7.0), 2: ("gloo_tcp_loop", 1.5), 3: ("reporter", 0.7)}, 12: {4: ("MainThread", 1.1)}})
     cores = classify(a, b)
     assert set(cores) == set(CLASSES)
     assert abs(cores["training"] - 0.7) < 1e-9

@@ -1,0 +1,203 @@
+"""One rank's process: started by its node's agent (`elastic.agent`), trains in a thread, talks to the agent over a pipe.
+
+A rank is a plain Python process, not a Ray worker: it runs none of Ray's
+threads or timers (on a small machine, each Ray worker's wake-ups are CPU
+taken from training), and it exits as soon as its agent goes away.
+
+Three threads:
+- the main thread serves the agent's commands (`start`, `stop_after`,
+  `stacks`, `reset`) one at a time, and exits the process when the pipe
+  closes (the agent died, or its node went away);
+- the training thread (`train-g<generation>-r<rank>`, a name the
+  controller's hang diagnosis looks for) joins the generation's process
+  group and runs `elastic.train.Trainer`;
+- the reporter pushes the rank's progress (step, phase, new records, the
+  loop's end) to the agent: at once for a save, an error or the end, in
+  batches of step records every `elastic.train.STEP_REPORT_S`, and at least
+  every `REPORT_EVERY_S` while a generation runs, so that the agent always
+  has a recent phase to report.
+
+A process outlives its generation when it can: `reset` stops the loop and
+drops the process group, and the next generation reuses it warm (no new
+process, no imports). One whose loop is still stuck after the grace period
+answers False and is killed by its agent.
+
+Nothing at module level imports torch: `main` sets the thread and device
+environment first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+REPORT_EVERY_S = 1.0
+"""The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
+
+
+class RankRuntime:
+    """The rank's side of one generation at a time; methods are the agent's commands."""
+
+    def __init__(self, send):
+        self._send = send  # thread-safe: (message) -> None
+        self._wake = threading.Event()  # a record, the end of the loop, or a new generation: push now
+        self._thread: threading.Thread | None = None
+        self._control = None
+        self._progress = None
+        self._error: str | None = None
+        self._finished = False
+        self._generation = -1
+        self._lock = threading.Lock()  # a push and a reset never interleave
+        threading.Thread(target=self._report, name="reporter", daemon=True).start()
+
+    # -- commands ------------------------------------------------------------------
+    def start(self, spec_dict: dict, store_host: str, store_port: int, timeout_s: float) -> None:
+        """Join the generation's process group and train in a background thread."""
+        from elastic.train import Control, Progress, RankSpec
+
+        spec = RankSpec(**spec_dict)
+        with self._lock:
+            self._generation = spec.generation
+            self._control = Control()
+            self._progress = Progress()
+            self._progress.changed = self._wake  # every record wakes the reporter
+            self._error, self._finished = None, False
+        self._thread = threading.Thread(
+            target=self._main, args=(spec, store_host, store_port, timeout_s), name=f"train-g{spec.generation}-r{spec.rank}", daemon=True
+        )
+        self._thread.start()
+        self._wake.set()
+
+    def stop_after(self, step: int) -> None:
+        """Finish `step` (counting completed steps), save, and end the loop: a planned resize loses nothing."""
+        if self._control is not None:
+            self._control.stop_at = step
+
+    def stacks(self) -> str:
+        """The Python stack of every thread of this process, for naming the culprit of a hang."""
+        frames = sys._current_frames()
+        parts = []
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident)
+            if frame is not None:
+                parts.append(f"--- thread {thread.name}\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
+
+    def reset(self, grace_s: float) -> bool:
+        """End this generation here: stop the loop, drop the process group. False if the loop is stuck."""
+        import gc
+
+        import torch.distributed as dist
+
+        if self._control is not None:
+            self._control.stop.set()
+        if self._thread is not None:
+            self._thread.join(grace_s)
+            if self._thread.is_alive():
+                return False
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is what we are leaving behind
+                return False
+        with self._lock:
+            self._thread = self._control = self._progress = None
+            self._error, self._finished, self._generation = None, False, -1
+        gc.collect()  # the old model still holds the old groups; freeing them closes their connections, releasing peers
+        return True
+
+    # -- the training thread ------------------------------------------------------------
+    def _main(self, spec, store_host: str, store_port: int, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from elastic.sched import normal_this_thread
+        from elastic.train import Trainer
+
+        normal_this_thread()  # started by the command thread, which is on SCHED_BATCH
+        try:
+            store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
+            if spec.device == "cuda":
+                torch.cuda.set_device(0)  # the agent set CUDA_VISIBLE_DEVICES to this rank's GPU
+            backend = "nccl" if spec.device == "cuda" else "gloo"
+            world = 1
+            for v in spec.layout.values():
+                world *= v
+            dist.init_process_group(backend, store=gen_store, rank=spec.rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            completed = Trainer(spec, self._progress, fault_store=store, control=self._control).run()
+            if not self._control.stop.is_set():
+                dist.barrier()
+                dist.destroy_process_group()
+            self._finished = completed
+        except BaseException:  # reported to the controller through the agent
+            self._error = traceback.format_exc()
+        finally:
+            self._wake.set()  # the end is pushed at once
+
+    # -- the reporter ---------------------------------------------------------------------
+    def _state(self) -> dict:
+        p = self._progress
+        return {
+            "generation": self._generation,
+            "step": p.step if p else -1,
+            "phase": p.phase if p else "idle",
+            "phase_since": p.phase_since if p else time.time(),
+            "records": p.drain() if p else [],
+            "finished": self._finished,
+            "error": self._error,
+        }
+
+    def _report(self) -> None:
+        while True:
+            self._wake.wait(REPORT_EVERY_S if self._progress is not None else None)
+            self._wake.clear()  # before draining: a record added after this wakes the next push
+            with self._lock:
+                state = self._state()
+            self._send(("state", state))
+
+
+def _serve(conn: Connection) -> None:
+    send_lock = threading.Lock()
+
+    def send(message) -> None:
+        with send_lock:
+            conn.send(message)
+
+    runtime = RankRuntime(send)
+    send(("ready", {"pid": os.getpid()}))
+    while True:
+        try:
+            command, args = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the agent is gone: so is this rank
+        try:
+            reply = (getattr(runtime, command)(*args), None)
+        except Exception:  # noqa: BLE001 - answered, so the agent is never left waiting
+            reply = (None, traceback.format_exc())
+        send(("reply", reply))
+
+
+def main() -> None:
+    """`python -m elastic.rank_process FD`: serve the agent on the inherited pipe end FD."""
+    conn = Connection(int(sys.argv[1]))
+    try:
+        # Everything a generation needs is imported now, while the process is a spare, not on the recovery path.
+        import torch
+
+        import elastic.train  # noqa: F401
+
+        torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        raise
+    _serve(conn)
+
+
+if __name__ == "__main__":
+    main()
