@@ -161,8 +161,11 @@ class NodeAgent:
         return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
 
     # -- the controller's calls --------------------------------------------------------
-    def prepare(self, n: int, keep_idle: int, timeout_s: float) -> None:
-        """Have `n` idle children up and ready (warm ones first), plus up to `keep_idle` more; kill the rest."""
+    def prepare(self, n: int, keep_idle: int, timeout_s: float) -> list[int]:
+        """Have `n` idle children up and ready (warm ones first), plus up to `keep_idle` more; kill the rest.
+
+        Returns the pids of the `n`.
+        """
         idle = [c for c in self._children if c.rank is None and c.exit is None]
         self._kill([c for c in self._children if c.exit is not None])
         while len(idle) < n:
@@ -174,6 +177,7 @@ class NodeAgent:
                 raise TimeoutError(f"a rank process did not start within {timeout_s}s")
             if c.failed or c.exit:
                 raise RuntimeError(f"a rank process failed to start: {c.failed or c.exit}")
+        return [c.proc.pid for c in idle[:n]]
 
     def start(self, assignments: list[tuple[int, dict]], store_host: str, store_port: int, timeout_s: float) -> dict[int, int]:
         """Give each ready idle child its rank and spec; return {rank: pid}."""
@@ -192,6 +196,7 @@ class NodeAgent:
         if not any(c.rank is None and c.exit is None for c in self._children):
             self._spawn()
 
+    @ray.method(enable_task_events=False)  # about one call a second: not worth a record in the GCS each
     def poll(self, generation: int, wait_s: float) -> dict[int, dict]:
         """{rank: {"alive", "error", "poll"}} for the node's ranks, after waiting up to `wait_s` for news."""
         ranks = self._ranks()
