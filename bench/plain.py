@@ -1,7 +1,7 @@
 """The baseline: the same `Trainer` as plain torch.distributed processes, without Ray or the controller.
 
 `run_plain(cfg)` spawns one process per rank on this machine, joins them in a
-gloo process group on 127.0.0.1, and runs exactly what a Ray worker runs in
+gloo process group on 127.0.0.1, and runs exactly what a rank process runs in
 its training thread (`elastic.train.Trainer(spec, progress).run()`) with the
 same job config and the layout the manager's scaling policy would choose for
 `scaling.num_workers` ranks. Each rank returns the records its `Progress`
@@ -37,7 +37,7 @@ from elastic.layout import Layout  # noqa: E402
 
 
 def torch_threads() -> int:
-    """The intra-op thread count the Ray worker uses (`elastic/worker.py`): the same rule here."""
+    """The intra-op thread count a rank process uses (`elastic/rank_process.py`): the same rule here."""
     return max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1")))
 
 
@@ -71,7 +71,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict, layout: dict, out
         progress = Progress()
         spec = RankSpec(config=config, layout=layout, rank=rank, generation=1, device="cpu")
         Trainer(spec, progress).run()
-        # Same teardown as the Ray worker: gloo needs a barrier before destroy.
+        # Same teardown as a rank process: gloo needs a barrier before destroy.
         dist.barrier()
         dist.destroy_process_group()
         records = [r for r in progress.drain() if r["kind"] in ("ready", "step")]
@@ -87,7 +87,7 @@ def run_plain(cfg: JobConfig, layout: Layout | None = None) -> list[list[dict]]:
 
     layout = layout or layout_for(cfg)
     world = layout.world_size
-    # The Ray worker process gets OMP_NUM_THREADS from Ray (= its CPUs, 1 by default); match it.
+    # A rank process gets OMP_NUM_THREADS from its agent (= its CPUs, 1 by default); match it.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.scaling.cpus_per_worker))))
     with tempfile.TemporaryDirectory(prefix="plain-") as out_dir:
         args = (world, _free_port(), cfg.model_dump(mode="json"), layout.as_dict(), out_dir)

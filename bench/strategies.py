@@ -4,7 +4,8 @@ For every layout of the correctness matrix (issue 3) the same job config runs
 for a fixed number of steps twice in this one run:
 
   (a) under the manager: `elastic.job.run_job` on an embedded Ray cluster
-      (one node, one worker actor per rank, the controller polling them),
+      (one node, one agent actor starting a process per rank, the controller
+      polling the agent),
       with no faults and no checkpoint before the last step;
   (b) as plain torch.distributed: `bench/plain.py` spawns one process per
       rank, joins them with gloo on 127.0.0.1 and runs the same

@@ -43,6 +43,8 @@ import ray
 from elastic.sched import batch_this_process
 
 ROOT = Path(__file__).resolve().parent.parent
+GATHER_S = 0.02
+"""Once a rank's step records wake a poll, how long the agent waits for its other ranks' before it answers."""
 
 
 @dataclass
@@ -76,6 +78,7 @@ class NodeAgent:
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self._children: list[_Child] = []
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
+        self._records_lock = threading.Lock()  # a push's records and a poll's draining never interleave
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -107,10 +110,11 @@ class NodeAgent:
                 break
             if kind == "state":
                 records = body.pop("records")
-                if body["generation"] != c.records_gen:
-                    c.records, c.records_gen = [], body["generation"]
-                c.records.extend(records)
-                c.state = body
+                with self._records_lock:
+                    if body["generation"] != c.records_gen:
+                        c.records, c.records_gen = [], body["generation"]
+                    c.records.extend(records)
+                    c.state = body
                 if records or body["finished"] or body["error"]:
                     self._changed.set()
             elif kind == "reply":
@@ -155,7 +159,8 @@ class NodeAgent:
         for c in children:
             if c.proc.poll() is None:
                 c.proc.kill()
-            self._children.remove(c)
+            if c in self._children:
+                self._children.remove(c)
 
     def _ranks(self) -> list[_Child]:
         return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
@@ -184,7 +189,8 @@ class NodeAgent:
         idle = [c for c in self._children if c.rank is None and c.exit is None and c.ready.is_set()]
         pids = {}
         for c, (rank, spec) in zip(idle, assignments):
-            c.rank, c.state, c.records, c.records_gen = rank, None, [], spec["generation"]
+            with self._records_lock:
+                c.rank, c.state, c.records, c.records_gen = rank, None, [], spec["generation"]
             pids[rank] = c.proc.pid
         chosen = [c for c in idle if c.rank is not None]
         for c, (_, spec) in zip(chosen, assignments):
@@ -199,10 +205,11 @@ class NodeAgent:
     @ray.method(enable_task_events=False)  # about one call a second: not worth a record in the GCS each
     def poll(self, generation: int, wait_s: float) -> dict[int, dict]:
         """{rank: {"alive", "error", "poll"}} for the node's ranks, after waiting up to `wait_s` for news."""
-        ranks = self._ranks()
-        ended = any(c.exit or (c.state and (c.state["finished"] or c.state["error"])) for c in ranks)
-        if wait_s > 0 and not ended:
-            self._changed.wait(wait_s)
+        def ended() -> bool:
+            return any(c.exit or (c.state and (c.state["finished"] or c.state["error"])) for c in self._ranks())
+
+        if wait_s > 0 and not ended() and self._changed.wait(wait_s) and not ended():
+            time.sleep(GATHER_S)  # ranks in lockstep push within moments of each other: one answer for all of them
         self._changed.clear()  # before draining: a push after this wakes the next poll
         now = time.time()
         out = {}
@@ -212,8 +219,9 @@ class NodeAgent:
                 continue
             s = c.state or {"generation": generation, "step": -1, "phase": "start", "phase_since": now, "finished": False, "error": None}
             records = []
-            if c.records_gen == generation:
-                records, c.records = c.records, []
+            with self._records_lock:
+                if c.records_gen == generation:
+                    records, c.records = c.records, []
             out[c.rank] = {"alive": True, "poll": {**s, "phase_s": now - s["phase_since"], "records": records}}
         return out
 
@@ -231,7 +239,8 @@ class NodeAgent:
         kept = 0
         for c, ok in zip(rest, self._ask(rest, "reset", grace_s, timeout_s=grace_s + 0.5)):
             if ok:
-                c.rank, c.state, c.records, c.records_gen = None, None, [], -1
+                with self._records_lock:
+                    c.rank, c.state, c.records, c.records_gen = None, None, [], -1
                 kept += 1
             else:
                 self._kill([c])

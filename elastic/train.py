@@ -1,7 +1,7 @@
 """The training loop of one rank, independent of Ray.
 
 It runs inside an initialised torch.distributed group and reports what it does
-through a `Progress` sink (the Ray worker forwards it to the controller; a
+through a `Progress` sink (its rank process pushes it to the controller; a
 plain torch.distributed program can print it). The learning rate is a pure
 function of the step and the data position a pure function of the step, so
 the state that must survive a restart is the tensors plus one integer.
@@ -31,7 +31,9 @@ from strategies import clip_grad_norm, load_full_state, parallelize
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "save", "done")
 STEP_REPORT_S = 0.25
 """How often step records are pushed to the controller's waiting poll: fresh enough for progress,
-deadlines and accounting, rare enough that polling takes little from training."""
+deadlines and accounting, rare enough that polling takes little from training. The slots are of
+wall-clock time, the same for every rank, so ranks in lockstep push together and one poll answer
+carries them all."""
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
@@ -53,7 +55,7 @@ class Progress:
         self.phase_since = time.time()
         self.changed = threading.Event()  # set by every record: wakes a waiting long poll
         self._records: list[dict] = []
-        self._last_wake = 0.0
+        self._last_slot = -1
         self._lock = threading.Lock()
 
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -66,9 +68,10 @@ class Progress:
         now = time.time()
         with self._lock:
             self._records.append({"kind": kind, "t": now, **fields})
-        # Step records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
-        if kind != "step" or now - self._last_wake >= STEP_REPORT_S:
-            self._last_wake = now
+        # Step records wake the poll once per STEP_REPORT_S slot (they travel in small batches); others at once.
+        slot = int(now / STEP_REPORT_S)
+        if kind != "step" or slot != self._last_slot:
+            self._last_slot = slot
             self.changed.set()
 
     def drain(self) -> list[dict]:
