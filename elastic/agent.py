@@ -166,14 +166,15 @@ class NodeAgent:
         return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
 
     # -- the controller's calls --------------------------------------------------------
-    def prepare(self, n: int, keep_idle: int, timeout_s: float) -> list[int]:
+    def prepare(self, n: int, keep_idle: int, timeout_s: float, spare: bool = False) -> list[int]:
         """Have `n` idle children up and ready (warm ones first), plus up to `keep_idle` more; kill the rest.
 
-        Returns the pids of the `n`.
+        With `spare`, also start one more now (not waited for), so that its
+        start-up overlaps the others'. Returns the pids of the `n`.
         """
         idle = [c for c in self._children if c.rank is None and c.exit is None]
         self._kill([c for c in self._children if c.exit is not None])
-        while len(idle) < n:
+        while len(idle) < n + (1 if spare else 0):
             idle.append(self._spawn())
         self._kill(idle[n + keep_idle:])
         deadline = time.monotonic() + timeout_s

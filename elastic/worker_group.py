@@ -118,14 +118,17 @@ class RayWorkerGroup:
         timeout = self.cfg.fault.startup_timeout_s
         agents = {node_id: self._agent(node_id, slots) for node_id, slots in nodes if node_id in by_node or node_id in self.agents}
         try:  # a rank process that cannot start (import error, no such device) fails here with its own error
-            ray.get([a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout) for n, a in agents.items()], timeout=timeout + 10)
+            ray.get(
+                [a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()],
+                timeout=timeout + 10,
+            )
         except GetTimeoutError:
             raise StartError(f"workers did not start within fault.startup_timeout_s={timeout}s") from None
         except (RayActorError, RayTaskError) as exc:
             self._forget_dead_agents()
             raise StartError(f"a worker failed to start: {exc}") from None
         if with_spares:
-            self.replenish()
+            self.replenish()  # nodes without ranks get theirs too
         store_timeout = max(60.0, timeout)
         pids = ray.get([
             agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
