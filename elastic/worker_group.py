@@ -256,7 +256,8 @@ class RayWorkerGroup:
     def shutdown(self) -> None:
         """Kill every rank process, warm ones included, and the agents (the end of the job)."""
         refs = [a.shutdown.remote() for a in self.agents.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=5.0) if refs else None
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=5.0)
         for agent in self.agents.values():
             self._kill(agent)
         self.members, self.agents, self._pending = [], {}, {}
