@@ -52,7 +52,7 @@ def _stat(path: str) -> tuple[str, int, float] | None:
     return text[text.index("(") + 1 : close], int(fields[1]), (int(fields[11]) + int(fields[12])) / HZ
 
 
-def _is_rank(comm: str, pid: int) -> bool:
+def _is_rank(pid: int) -> bool:
     cmdline = _read(f"/proc/{pid}/cmdline") or ""
     return "elastic.rank_process" in cmdline or "multiprocessing.spawn" in cmdline
 
@@ -75,7 +75,7 @@ def snapshot(root: int) -> dict:
             frontier.append(child)
     ranks: dict[int, dict[int, tuple[str, float]]] = {}
     for pid in tree:
-        if pid in procs and _is_rank(procs[pid][0], pid):
+        if pid in procs and _is_rank(pid):
             threads = {}
             for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
                 if (st := _stat(f"/proc/{pid}/task/{tid}/stat")) is not None:
