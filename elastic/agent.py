@@ -125,8 +125,7 @@ class NodeAgent:
                 c.failed = body
         c.exit = _describe_exit(c.proc.wait())
         c.ready.set()
-        for _ in range(2):  # whoever waits on a reply learns at once that none will come
-            c.replies.put(None)
+        c.replies.put(None)  # whoever waits on a reply learns at once that none will come
         self._changed.set()
 
     def _ask(self, children: list[_Child], command: str, *args, timeout_s: float) -> list:
@@ -135,6 +134,8 @@ class NodeAgent:
         for c in children:
             c.lock.acquire()
             try:
+                if c.exit is not None:
+                    raise OSError("the rank process is gone")
                 c.conn.send((command, args))
                 asked.append(c)
             except (OSError, ValueError):
@@ -162,6 +163,11 @@ class NodeAgent:
             if c in self._children:
                 self._children.remove(c)
 
+    def _assign(self, c: _Child, rank: int | None, generation: int) -> None:
+        """Give `c` a rank of `generation` (None, -1: idle), forgetting what it reported before."""
+        with self._records_lock:
+            c.rank, c.state, c.records, c.records_gen = rank, None, [], generation
+
     def _ranks(self) -> list[_Child]:
         return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
 
@@ -188,15 +194,12 @@ class NodeAgent:
     def start(self, assignments: list[tuple[int, dict]], store_host: str, store_port: int, timeout_s: float) -> dict[int, int]:
         """Give each ready idle child its rank and spec; return {rank: pid}."""
         idle = [c for c in self._children if c.rank is None and c.exit is None and c.ready.is_set()]
-        pids = {}
-        for c, (rank, spec) in zip(idle, assignments):
-            with self._records_lock:
-                c.rank, c.state, c.records, c.records_gen = rank, None, [], spec["generation"]
-            pids[rank] = c.proc.pid
-        chosen = [c for c in idle if c.rank is not None]
-        for c, (_, spec) in zip(chosen, assignments):
+        pairs = list(zip(idle, assignments))
+        for c, (rank, spec) in pairs:
+            self._assign(c, rank, spec["generation"])
+        for c, (_, spec) in pairs:
             self._ask([c], "start", spec, store_host, store_port, timeout_s, timeout_s=30.0)
-        return pids
+        return {rank: c.proc.pid for c, (rank, _) in pairs}
 
     def spare(self) -> None:
         """Start one idle child if there is none (not waited for: it comes up while the ranks train)."""
@@ -240,8 +243,7 @@ class NodeAgent:
         kept = 0
         for c, ok in zip(rest, self._ask(rest, "reset", grace_s, timeout_s=grace_s + 0.5)):
             if ok:
-                with self._records_lock:
-                    c.rank, c.state, c.records, c.records_gen = None, None, [], -1
+                self._assign(c, None, -1)
                 kept += 1
             else:
                 self._kill([c])

@@ -124,8 +124,7 @@ class RayWorkerGroup:
             )
         except GetTimeoutError:
             raise StartError(f"workers did not start within fault.startup_timeout_s={timeout}s") from None
-        except (RayActorError, RayTaskError) as exc:
-            self._forget_dead_agents()
+        except (RayActorError, RayTaskError) as exc:  # the controller shuts the group down (every agent) and retries
             raise StartError(f"a worker failed to start: {exc}") from None
         if with_spares:
             self.replenish()  # nodes without ranks get theirs too
@@ -234,24 +233,15 @@ class RayWorkerGroup:
         for node_id, ref in refs.items():
             try:
                 kept += ray.get(ref) if ref in ready else 0
-            except (RayActorError, RayTaskError):
-                pass
-            if ref not in ready:  # an agent that cannot end its generation in time goes, with its ranks
+                gone = ref not in ready  # an agent that cannot end its generation in time goes, with its ranks
+            except RayActorError:  # dead (its node went, or it was killed): the next start makes a new one
+                gone = True
+            except RayTaskError:
+                gone = False
+            if gone:
                 self._kill(self.agents.pop(node_id))
-        self._forget_dead_agents()
         self.members, self._pending = [], {}
         return kept
-
-    def _forget_dead_agents(self) -> None:
-        """Drop the agents Ray reports dead (their node went, or they were killed): the next start makes new ones."""
-        dead = set()
-        for node_id, agent in self.agents.items():
-            try:
-                ray.get(agent.info.remote(), timeout=2.0)
-            except (RayActorError, GetTimeoutError):
-                dead.add(node_id)
-        for node_id in dead:
-            self._kill(self.agents.pop(node_id))
 
     def shutdown(self) -> None:
         """Kill every rank process, warm ones included, and the agents (the end of the job)."""
