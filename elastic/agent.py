@@ -81,7 +81,7 @@ class NodeAgent:
         self._records_lock = threading.Lock()  # a push's records and a poll's draining never interleave
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self._gpu_ids}
 
     # -- children ----------------------------------------------------------------------
     def _spawn(self) -> _Child:
