@@ -35,9 +35,9 @@ bench: bench-strategies bench-checkpoint bench-recovery
 bench-recovery: $(STAMP)
 	$(PY) bench/recovery.py
 
-# Each parallel layout under the manager vs the same Trainer as plain torch.distributed, 4 alternating rounds (~30 min; bench/README.md).
+# Each parallel layout under the manager vs the same Trainer as plain torch.distributed, 6 alternating rounds (~40 min; bench/README.md).
 bench-strategies: $(STAMP)
-	$(PY) bench/strategies.py --rounds 4 --steps 60
+	$(PY) bench/strategies.py --rounds 6 --steps 60
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)
