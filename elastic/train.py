@@ -31,9 +31,10 @@ from strategies import clip_grad_norm, load_full_state, parallelize
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "save", "done")
 STEP_REPORT_S = 0.25
 """How often step records are pushed to the controller's waiting poll: fresh enough for progress,
-deadlines and accounting, rare enough that polling takes little from training. The slots are of
-wall-clock time, the same for every rank, so ranks in lockstep push together and one poll answer
-carries them all."""
+deadlines and accounting, rare enough that polling takes little from training. Each rank keeps
+its own clock: ranks in lockstep that pushed in the same instant (shared wall-clock slots) woke
+their reporters together, and with four ranks to a core those bursts slowed the steps down more
+than spread-out pushes did (bench/README.md)."""
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
@@ -55,7 +56,7 @@ class Progress:
         self.phase_since = time.time()
         self.changed = threading.Event()  # set by every record: wakes a waiting long poll
         self._records: list[dict] = []
-        self._last_slot = -1
+        self._last_wake = 0.0
         self._lock = threading.Lock()
 
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -68,10 +69,9 @@ class Progress:
         now = time.time()
         with self._lock:
             self._records.append({"kind": kind, "t": now, **fields})
-        # Step records wake the poll once per STEP_REPORT_S slot (they travel in small batches); others at once.
-        slot = int(now / STEP_REPORT_S)
-        if kind != "step" or slot != self._last_slot:
-            self._last_slot = slot
+        # Step records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
+        if kind != "step" or now - self._last_wake >= STEP_REPORT_S:
+            self._last_wake = now
             self.changed.set()
 
     def drain(self) -> list[dict]:
