@@ -162,25 +162,18 @@ def test_agent_gives_each_rank_process_its_own_gpu():
 
 
 def _job(tmp_path, name, **over):
-    from elastic.config import load_config
+    """test_ray_elastic's job config, shrunk to one worker with one GPU."""
+    from test_ray_elastic import _cfg
 
-    sets = {
-        "name": name,
-        "run_root": str(tmp_path / "runs"),
-        "checkpoint.uri": str(tmp_path / name / "ckpt"),
-        "checkpoint.every_steps": 8,
+    one_gpu = {
         "training.steps": 24,
-        "training.global_batch": 16,
-        "training.micro_batch": 4,
         "parallel.dp_shard": 1,
         "scaling.num_workers": 1,
         "scaling.min_workers": 1,
         "scaling.workers_per_node": 1,
         "scaling.gpus_per_worker": 1,
-        "fault.inject": "[]",
-        **over,
     }
-    return load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])
+    return _cfg(tmp_path, name, **one_gpu, **over)
 
 
 def test_job_on_the_gpu_recovers_a_killed_rank_from_its_gpu_checkpoint(tmp_path):
