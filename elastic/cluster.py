@@ -14,6 +14,7 @@ and reports) and a second or so of start-up.
 from __future__ import annotations
 
 import os
+import secrets
 
 import ray
 
@@ -38,6 +39,59 @@ raylets took from training, and nobody can scrape an embedded cluster after its 
 not wait for a last export before the cluster goes away (`elastic.job`)."""
 
 
+def _loopback_only() -> None:
+    """Make this process and every Ray process it starts use 127.0.0.1 (never when joining a real cluster).
+
+    Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` once, when `ray` is imported:
+    the variable reaches the processes the cluster starts, and the constant it
+    set is corrected here for this process, which may have imported `ray`
+    before (a user's script, `python -m elastic`, a test). Without both, the
+    node takes the machine's outward address and Ray's GCS, agents and
+    metrics exporter listen on every interface.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def _token_auth() -> dict[str, str | None]:
+    """Require a fresh random token on the embedded cluster's ports (Ray's token mode); returns the variables it replaced.
+
+    Loopback keeps other machines out; the token keeps out other users of this
+    one. The token lives in this process's environment only, which the
+    cluster's processes inherit; nothing is written to `~/.ray/auth_token`.
+    `RAY_AUTH_MODE=disabled` in the environment turns it off.
+    """
+    before = {var: os.environ.get(var) for var in _AUTH_VARS}
+    if (before["RAY_AUTH_MODE"] or "").lower() == "disabled":
+        return before
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _reload_auth()
+    return before
+
+
+def _restore_auth(before: dict[str, str | None]) -> None:
+    for var, value in before.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Make this process's Ray see the auth variables as they are now (it caches the mode and the token)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 class EmbeddedCluster:
     """A multi-node Ray cluster inside this machine, on 127.0.0.1 only."""
 
@@ -45,7 +99,8 @@ class EmbeddedCluster:
         """`nodes` simulated nodes, or with `workers_on_head` (one node's worth, `nodes` must be 1) the head alone."""
         if workers_on_head and nodes != 1:
             raise ValueError(f"workers_on_head holds one node's workers, not {nodes} nodes'")
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only; never set when joining a real cluster
+        _loopback_only()
+        self._auth_before = _token_auth()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from ray.cluster_utils import Cluster
 
@@ -82,6 +137,7 @@ class EmbeddedCluster:
     def shutdown(self) -> None:
         ray.shutdown()
         self.cluster.shutdown()
+        _restore_auth(self._auth_before)
 
 
 def connect(

@@ -20,7 +20,6 @@ manifest (the commit) once every rank of the current generation has written.
 from __future__ import annotations
 
 import enum
-import json
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +33,7 @@ from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.ledger import SampleLedger
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
+from elastic.rendezvous import parse_fault_signal
 from elastic.train import RankSpec, lr_at
 from elastic.watchdog import HangWatchdog
 from elastic.worker_group import StartError
@@ -87,6 +87,7 @@ class Controller:
         self.ledger = SampleLedger()
         self.faults = list(faults)
         self.fired: dict[int, float] = {}
+        self._bad_signals: dict[str, bytes] = {}  # store keys whose value was garbage, and that value
         self.state = State.SCHEDULING
         self.generation = 0
         self.layout: Layout | None = None
@@ -361,8 +362,15 @@ class Controller:
             key = f"fault/{fault.id}"
             if not self.fault_store.check([key]):
                 continue
-            signal = json.loads(self.fault_store.get(key).decode())
-            fired_at, at_step = signal["t"], signal["step"]
+            raw = self.fault_store.get(key)
+            signal = parse_fault_signal(raw, self.cfg.training.steps)
+            if signal is None:
+                if self._bad_signals.get(key) != raw:  # once per distinct value: a rank's real signal overwrites it
+                    self._bad_signals[key] = raw
+                    self.events.emit("warning", kind="bad_store_value", key=key, value=repr(raw[:200]),
+                                     message=f"rendezvous store key {key} holds a value that is not a fault signal; ignored")
+                continue
+            fired_at, at_step = signal
             node = self.group.node_of(fault.rank)
             if fault.kind == "node":
                 fired_at = self.clock()

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import ray
-import torch.distributed as dist
 
 import storage
 from elastic.alerts import GradSpikeRule
@@ -19,6 +17,7 @@ from elastic.events import EventLog
 from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
 from elastic.progress import ProgressPrinter
+from elastic.rendezvous import open_store
 from elastic.report import build_report, write_report
 from elastic.sched import batch_what_starts_here
 from elastic.worker_group import RayWorkerGroup
@@ -79,7 +78,7 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
     if f.grad_spike_factor:
         events.sinks.append(GradSpikeRule(events.emit, f.grad_spike_factor, f.grad_spike_window, f.grad_spike_warmup))
     host = "127.0.0.1" if cluster is not None else ray.util.get_node_ip_address()
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = open_store(host)
     group = RayWorkerGroup(cfg, host, store.port)
     ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store)
     try:

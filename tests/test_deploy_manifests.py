@@ -197,9 +197,10 @@ def test_raycluster_fits_the_jobs_it_is_sized_for(path: Path, cluster: dict) -> 
         assert capacity >= cfg.scaling.upper, f"{path.name}: room for {capacity} workers, {job} grows to {cfg.scaling.upper}"
 
 
-def test_networkpolicy_keeps_the_head_inside_the_cluster() -> None:
+def test_networkpolicy_keeps_every_ray_pod_inside_the_cluster() -> None:
+    # Workers too: their ranks' gloo/NCCL ports and the rendezvous store have no authentication.
     (_, policy), = _kuberay("NetworkPolicy")
-    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/node-type": "head"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/is-ray-node": "yes"}
     assert "Ingress" in policy["spec"]["policyTypes"]
     assert "ipBlock" not in json.dumps(policy), "no address range may reach the head"
 
