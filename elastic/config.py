@@ -115,6 +115,12 @@ class CheckpointConfig(_Section):
     keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
     async_save: bool = Field(False, description="Write in the background while training continues.")
     resume: bool = Field(True, description="Resume from the newest committed checkpoint at start.")
+    commit_timeout_s: float = Field(
+        300.0, gt=0, description="A commit (index, manifest, retention) that takes longer is abandoned and reported: a dead mount never wedges the controller."
+    )
+    max_uncommitted_s: float = Field(
+        1800.0, ge=0, description="Fail the job when commits have failed and none has succeeded for this long; 0 never fails for that."
+    )
 
     @model_validator(mode="after")
     def _uri_safe(self) -> "CheckpointConfig":

@@ -22,10 +22,10 @@ from __future__ import annotations
 import enum
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import storage
+from elastic.checkpointing import CheckpointCoordinator
 from elastic.config import JobConfig
 from elastic.data import GlobalSampler
 from elastic.events import EventLog
@@ -92,12 +92,10 @@ class Controller:
         self.generation = 0
         self.layout: Layout | None = None
         self.resume_step: int | None = None
-        self.last_committed: int | None = None
         self.completed_step = -1  # last step every data slice reported in this generation
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
         self.tallies: dict[int, _StepTally] = {}
-        self.pending_rows: dict[int, dict[int, list]] = {}
         self.failures: list[dict] = []
         self.open_failure: dict | None = None
         self.finished_ranks: set[int] = set()
@@ -106,8 +104,7 @@ class Controller:
         self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
         self.peer_errors_since: float | None = None
         self.spares_requested = False  # warm spares: with the job's first start, after that once per generation
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
-        self._commits: list[tuple[dict, Future]] = []  # in flight, oldest first
+        self.checkpoints = CheckpointCoordinator(cfg, events, self._train_state, clock)
         self.resize_target: int | None = None
         self.next_grow_check = 0.0
         self.node_returns: list[float] = []  # when removed nodes come back (node faults with back=)
@@ -119,8 +116,12 @@ class Controller:
     def run(self) -> State:
         while self.state not in (State.FINISHED, State.FAILED):
             self.step()
-        self._committer.shutdown(wait=True)
+        self.checkpoints.close()
         return self.state
+
+    @property
+    def last_committed(self) -> int | None:
+        return self.checkpoints.last_committed
 
     def step(self) -> State:
         self._return_nodes()
@@ -178,7 +179,7 @@ class Controller:
         self.peer_errors_since = None
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0
-        self.pending_rows.clear()
+        self.checkpoints.begin_generation()
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
         self.grow_seen_at = None
@@ -201,6 +202,10 @@ class Controller:
                 self._absorb(s.rank, s.poll, now)
                 self.last_polls[s.rank] = {"step": s.poll["step"], "phase": s.poll["phase"]}
         self._reap_commits(wait=self.state is State.RESIZING)  # a paused job waits for its commit anyway
+        if reason := self.checkpoints.overdue():
+            self.failed_reason = reason
+            self._transition(State.FAILED, reason=reason)
+            return
         if dead:
             ranks = [s.rank for s in dead]
             injected = [f for f in self.faults if self.fired.get(f.id, -1) > 0 and f.rank in ranks]
@@ -225,7 +230,12 @@ class Controller:
             return
         if self.layout and len(self.finished_ranks) == self.layout.world_size:
             self._reap_commits(wait=True)
-            self._transition(State.FINISHED, steps=self.completed_step + 1)
+            last = self.cfg.training.steps
+            if self.last_committed != last:  # the trained model would exist nowhere: not a finished run
+                self.failed_reason = f"the final checkpoint (step {last}) did not commit; the newest is step {self.last_committed}"
+                self._transition(State.FAILED, reason=self.failed_reason)
+            else:
+                self._transition(State.FINISHED, steps=self.completed_step + 1)
             return
         if self.state is State.RESIZING and self.last_committed == self.resize_target:
             self._resize()
@@ -281,15 +291,11 @@ class Controller:
             self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step)
 
     def _on_saved(self, rank: int, rec: dict) -> None:
-        step = rec["step"]
-        rows = self.pending_rows.setdefault(step, {})
-        rows[rank] = rec
-        if len(rows) < self.layout.world_size:
-            return
-        del self.pending_rows[step]
-        save_s = max(r["save_s"] for r in rows.values())
-        stalls = [r["stall_s"] for r in rows.values() if r.get("stall_s") is not None]
-        train_state = {
+        self.checkpoints.on_saved(rank, rec, self.layout.as_dict(), self.layout.world_size, self.generation)
+
+    def _train_state(self, step: int) -> dict:
+        """The non-tensor state of the checkpoint of `step`, as JSON (layout-independent)."""
+        return {
             "step": step,
             "data_cursor": self.sampler.cursor(step),
             "data_seed": self.cfg.data.seed,
@@ -297,31 +303,11 @@ class Controller:
             "scheduler": {"name": "warmup_cosine", "last_step": step, "lr": lr_at(step, self.cfg)},
             "generation": self.generation,
         }
-        all_rows = [row for r in sorted(rows) for row in rows[r]["rows"]]
-        info = {"step": step, "save_s": save_s, "stall_s": max(stalls) if stalls else save_s, "generation": self.generation,
-                "bytes": sum(row["nbytes"] for row in all_rows)}
-        # Committing is I/O (index, manifest, retention): off the loop, so polls and deadlines keep their pace.
-        future = self._committer.submit(self._commit, step, all_rows, self.layout.as_dict(), train_state)
-        self._commits.append((info, future))
-
-    def _commit(self, step: int, rows: list[dict], layout: dict, train_state: dict) -> float:
-        t0 = time.perf_counter()
-        storage.commit(self.cfg.checkpoint.uri, step, rows, layout=layout, train_state=train_state)
-        storage.retain(self.cfg.checkpoint.uri, self.cfg.checkpoint.keep)
-        return time.perf_counter() - t0
 
     def _reap_commits(self, wait: bool = False) -> None:
-        """Record the commits that finished (all of them with `wait`), in order."""
-        while self._commits and (wait or self._commits[0][1].done()):
-            info, future = self._commits.pop(0)
-            try:
-                commit_s = future.result()
-            except Exception as exc:  # noqa: BLE001 - the job goes on with the previous checkpoint
-                self.events.emit("checkpoint_commit_failed", step=info["step"], error=f"{type(exc).__name__}: {exc}")
-                continue
-            self.last_committed = info["step"]
+        """Take in the commits that ended (with `wait`, every one, each within its deadline)."""
+        if self.checkpoints.reap(wait):
             self.watchdog.touch(self.clock())
-            self.events.emit("checkpoint_committed", commit_s=commit_s, **info)
 
     # -- RESIZING (planned, loses nothing) -------------------------------------------------
     def _maybe_grow(self) -> None:
@@ -472,10 +458,7 @@ class Controller:
             self._transition(State.FAILED, reason=decision.reason)
             return
         self._corrupt_newest()
-        resume = storage.latest_valid(
-            self.cfg.checkpoint.uri,
-            on_skip=lambda step, reason: self.events.emit("checkpoint_skipped", step=step, reason=str(reason)),
-        )
+        resume = self.checkpoints.restore_point()
         self.resume_step = resume
         start = resume or 0
         done = max(self.completed_step + 1, self.max_seen_step, record["fault_step"] or 0)  # a rank at step k has done k

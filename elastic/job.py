@@ -85,12 +85,12 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
         events.emit("job_start", name=cfg.name, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
         events.emit("metrics_endpoint", url=metrics.url)
         if cfg.checkpoint.resume:
-            ctrl.resume_step = storage.latest_valid(
-                cfg.checkpoint.uri, on_skip=lambda step, reason: events.emit("checkpoint_skipped", step=step, reason=str(reason))
-            )
+            ctrl.resume_step = ctrl.checkpoints.restore_point()
         ctrl.run()
     finally:
         group.shutdown()
+        ctrl.checkpoints.close()
+        ctrl.fault_store = store = None  # the store's server thread and socket go now, not at the next garbage collection
         report = build_report(ctrl)
         write_report(report, run_dir)
         events.emit("job_end", state=ctrl.state.value)

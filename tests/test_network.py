@@ -123,3 +123,24 @@ def test_garbage_in_the_store_is_an_event_not_a_crash(tmp_path):
     ctrl.step()
     assert [e["fault_id"] for e in ctrl.events.of("fault_injected")] == [0]
     assert _run(ctrl)[-1] is State.FINISHED
+
+
+def test_a_job_closes_what_it_opens(tmp_path):
+    """The driver's store (its socket and server thread) and the job's own threads are gone when run_job returns."""
+    import threading
+
+    from elastic.job import run_job
+
+    cfg = load_config("deploy/examples/demo.yaml", [
+        "name=closes", f"run_root={tmp_path}", "fault.inject=[]", "scaling.num_workers=1", "scaling.min_workers=1",
+        "training.steps=3", "checkpoint.every_steps=3",
+    ])
+    sockets_before = {(ip, port) for _, ip, port in listening({os.getpid()})}
+    threads_before = {t.ident for t in threading.enumerate()}
+    report = run_job(cfg, quiet=True)
+    assert report["state"] == "FINISHED"
+    left = {(ip, port) for _, ip, port in listening({os.getpid()})} - sockets_before
+    assert not left, f"still listening after the job: {left}"
+    assert not [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    native = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    assert "pt_tcpstore" not in native
