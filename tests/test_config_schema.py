@@ -41,8 +41,9 @@ def test_every_field_has_a_description() -> None:
 
 
 def test_validate_prints_ok(capsys) -> None:
-    assert main(["config", "validate", str(DEMO), "--set", "training.steps=10"]) == 0
-    assert capsys.readouterr().out.strip() == "OK"
+    assert main(["config", "validate", str(DEMO), "--set", "training.steps=200"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "layout dp_shard=4 on 4 workers (kept tp=1 pp=1); global batch 32 = dp 4 x 1 micro-batches of 8", "OK"]
 
 
 @pytest.mark.parametrize("args, message", [
