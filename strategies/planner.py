@@ -456,8 +456,9 @@ def evaluate(layout: Layout, model: ModelProfile, hardware: Hardware, options: S
 
 # --------------------------------------------------------------------------- all layouts
 def divisors(n: int) -> list[int]:
-    """Every degree an axis of an n-rank world can take."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every degree an axis of an n-rank world can take, ascending (found up to sqrt(n): resizes scan many worlds)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def layout_problem(layout: Layout, model: ModelProfile, gpus_per_node: int, global_batch: int, options: StepOptions) -> str | None:
@@ -578,7 +579,7 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
             whole = whole or problems[0]
     more = f" (and {len(problems) - 1} smaller candidates failed)" if len(problems) > 1 else ""
     kept = (problems[0] + more) if problems else f"no worker count in {floor}..{world} is a multiple of tp*pp ({multiples})"
-    for w in range(world, floor - 1, -1):
+    for w in range(min(world, _world_bound(model, node, options)), floor - 1, -1):
         found = _best_other(w, model, hardware, node, options)
         if found is not None:
             idle = f"no valid layout of {world} workers" if found.world_size < world else None
@@ -587,6 +588,14 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
         f"no layout for {floor}..{world} workers (min_workers {cfg.scaling.min_workers}): tp/pp not kept: {kept}; "
         "no other layout is valid" + (" within the GPU memory" if hardware else "")
     )
+
+
+def _world_bound(model: ModelProfile, node: int | None, options: StepOptions) -> int:
+    """No valid layout has more ranks than this: dp divides the global batch, tp divides the model's sizes
+    (and the node), pp x chunks <= layers. It spares a large world the search of every smaller one."""
+    chunks = options.virtual_stages if options.schedule == "interleaved_1f1b" else 1
+    tp = math.gcd(*model.tp_sizes().values(), node or 0)
+    return options.global_batch * max(1, model.n_layers // chunks) * tp if tp else math.inf
 
 
 def _best_other(world: int, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions) -> Layout | None:
@@ -607,7 +616,7 @@ def _reason(world: int, layout: Layout, how: str, global_batch: int, micro_batch
     accum = layout.grad_accum_steps(global_batch, micro_batch)
     local = layout.local_batch(global_batch)
     split = (f"{accum} micro-batches of {micro_batch}" if local % micro_batch == 0
-             else f"{local} samples ({accum} micro-batch{'es' if accum > 1 else ''} of at most {micro_batch})")
+             else f"{local} sample{'s' if local > 1 else ''} ({accum} micro-batch{'es' if accum > 1 else ''} of at most {micro_batch})")
     idle = world - layout.world_size
     spare = f"; {idle} of {world} workers idle ({idle_why})" if idle else ""
     return f"layout {was}{layout} on {layout.world_size} workers ({kept}); global batch {global_batch} = dp {layout.dp} x {split}{spare}"
