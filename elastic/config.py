@@ -310,7 +310,8 @@ def _format_error(err: ValidationError) -> str:
         msg = f"expected a YAML list, got the string {given!r}; write {example} (on the command line: --set '{where}={example}')"
     elif first["type"] not in ("value_error", "assertion_error") and isinstance(given, (int, float, str)) and len(repr(given)) <= 60:
         msg += f" (got {given!r})"
-    line = f"{where}: {msg}" if where and not msg.startswith(where) else msg  # a section's own check names its fields
+    named = msg.startswith((f"{where}.", f"{where} "))  # a section's own check names its fields
+    line = f"{where}: {msg}" if where and not named else msg
     return " ".join(line.splitlines())
 
 
