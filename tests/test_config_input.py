@@ -55,6 +55,13 @@ def test_cli_refuses_an_ignored_dp_shard_and_a_misspelt_fault_key(tmp_path):
     _one_line_error(_elastic("config", "validate", DEMO, "--inject", "random:cuont=2"), "'random:cuont=2'", "unknown key 'cuont'")
 
 
+def test_cli_fresh_leaves_a_foreign_directory_alone(tmp_path):
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "notes.txt").write_text("mine")
+    _one_line_error(_elastic("run", DEMO, "--fresh", "--set", f"run_root={tmp_path}"), "not created by elastic")
+    assert (tmp_path / "demo" / "notes.txt").read_text() == "mine"
+
+
 def test_cli_ckpt_list_of_a_missing_directory_is_an_error(tmp_path):
     _one_line_error(_elastic("ckpt", "list", str(tmp_path / "nope")), "no such directory")
     ok = _elastic("ckpt", "list", str(tmp_path))
@@ -201,3 +208,23 @@ def test_run_root_of_slash_or_home_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="is the home directory"):
         rundir.claim(str(tmp_path.parent), tmp_path.name, fresh=True)
     assert Path("/etc").is_dir()
+
+
+# --------------------------------------------------------------------------- ckpt list
+def test_ckpt_list_without_a_creation_time_prints_a_dash(tmp_path, capsys):
+    import json
+
+    import torch
+
+    import storage
+    from storage.format import MANIFEST, step_dir
+
+    rows = storage.write_shards(str(tmp_path), 10, 0, {"model.w": torch.ones(2)})
+    storage.commit(str(tmp_path), 10, rows, layout={"dp_shard": 1}, train_state={"step": 10})
+    manifest = tmp_path / step_dir(10) / MANIFEST
+    data = json.loads(manifest.read_text())
+    del data["created_unix"]  # written by an older version, or by hand
+    manifest.write_text(json.dumps(data))
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[0] == "10" and row[-2:] == ["-", "dp_shard=1"]
