@@ -1,17 +1,40 @@
 """The job config: one typed, validated pydantic model loaded from YAML.
 
 Every section forbids unknown keys, so a typo in a YAML file is an error that
-names the field instead of a silently ignored setting.
+names the field (and the nearest valid one) instead of a silently ignored
+setting. Every float must be finite and every integer must fit in 64 bits
+(what torch and numpy store it in); sizes that cannot work on any machine
+have an upper bound (the `MAX_*` constants below), named in the error.
+`load_config` turns every problem into one `ConfigError` line naming the field.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
+import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from elastic.faults import FaultSpecError, parse_faults
+
+INT64_MAX = 2**63 - 1
+"""Every integer field fits in an int64: torch and numpy hold it in one, and a seed beyond it overflows."""
+MAX_SAMPLES = 1 << 27
+"""data.num_samples: the controller and every rank hold a permutation of an epoch's sample ids (int64), 1 GiB at this size."""
+MAX_WORKERS = 1 << 16
+"""scaling.num_workers / max_workers: far beyond any job this manager has run (1024 ranks are simulated in the tests)."""
+MAX_SIMULATED_NODES = 32
+"""Nodes the embedded Ray may simulate on one machine (num_workers / workers_per_node): each is a raylet and its agents."""
+MIN_CPUS = 0.01
+"""The smallest Ray CPU share a worker may reserve; below it a worker would hold nothing and Ray packs any number on a core."""
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Durations and timeouts: a week; beyond it a deadline is no deadline (and sleeping that long overflows)."""
 
 
 class ConfigError(ValueError):
@@ -19,18 +42,32 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+            raise ValueError(f"must fit in 64 bits (between -{INT64_MAX} and {INT64_MAX})")
+        return value
+
+
+def _no_control_characters(field: str, path: str) -> None:
+    """A path with a NUL or newline cannot be opened (and would break the one-line error naming it)."""
+    bad = next((c for c in path if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise ValueError(f"{field} must not contain control characters, found {bad!r}")
 
 
 class ModelConfig(_Section):
     """The built-in decoder-only transformer."""
 
-    vocab_size: int = Field(64, ge=2, description="Number of token ids.")
-    dim: int = Field(64, ge=1, description="Hidden size.")
-    n_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads; dim must divide by it.")
-    ffn_dim: int = Field(128, ge=1, description="Hidden size of the MLP.")
-    max_seq_len: int = Field(32, ge=2, description="Longest sequence the position table holds.")
+    vocab_size: int = Field(64, ge=2, le=1 << 22, description="Number of token ids.")
+    dim: int = Field(64, ge=1, le=1 << 16, description="Hidden size.")
+    n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks.")
+    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads; dim must divide by it.")
+    ffn_dim: int = Field(128, ge=1, le=1 << 18, description="Hidden size of the MLP.")
+    max_seq_len: int = Field(32, ge=2, le=1 << 20, description="Longest sequence the position table holds.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the RMS norms.")
 
     @model_validator(mode="after")
@@ -44,9 +81,12 @@ class DataConfig(_Section):
     """The deterministic synthetic token dataset."""
 
     kind: Literal["synthetic"] = Field("synthetic", description="Only the built-in synthetic data for now.")
-    num_samples: int = Field(1 << 20, ge=1, description="Samples in one epoch; the order is reshuffled each epoch.")
+    num_samples: int = Field(
+        1 << 20, ge=1, le=MAX_SAMPLES,
+        description="Samples in one epoch; the order is reshuffled each epoch. At most 2^27: the controller and each rank hold the epoch's permutation (8 bytes a sample).",
+    )
     seq_len: int = Field(16, ge=2, description="Tokens per sample (inputs and shifted labels come from seq_len + 1 tokens).")
-    seed: int = Field(1234, description="Seed of the data and of the sample order.")
+    seed: int = Field(1234, ge=0, description="Seed of the data and of the sample order.")
 
 
 class ParallelConfig(_Section):
@@ -54,7 +94,11 @@ class ParallelConfig(_Section):
 
     pp: int = Field(1, ge=1, description="Pipeline stages.")
     dp_replicate: int = Field(1, ge=1, description="Replica groups of HSDP (replicated across, sharded within).")
-    dp_shard: int = Field(-1, description="FSDP shard degree; -1 fills the rest of the world size.")
+    dp_shard: int = Field(
+        -1,
+        description="FSDP shard degree; -1 fills the rest of the world size. A positive value is the degree at scaling.num_workers: "
+        "pp x dp_replicate x dp_shard x tp must equal it (else the config is refused); a resize re-derives it from the workers left.",
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (innermost axis, kept on one node).")
     sequence_parallel: bool = Field(True, description="Shard norm and dropout regions along the sequence when tp > 1.")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
@@ -73,13 +117,17 @@ class ParallelConfig(_Section):
 class ScalingConfig(_Section):
     """How many workers the job may use and how they are placed."""
 
-    num_workers: int = Field(4, ge=1, description="Workers (ranks) to start with.")
+    num_workers: int = Field(4, ge=1, le=MAX_WORKERS, description="Workers (ranks) to start with.")
     min_workers: int = Field(1, ge=1, description="The job waits (then fails) below this many workers.")
-    max_workers: int = Field(0, ge=0, description="The job grows back up to this many; 0 means num_workers.")
-    workers_per_node: int = Field(0, ge=0, description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node. One node runs its workers on the head unless node faults need a node to remove.")
-    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
-    gpus_per_worker: float = Field(0.0, ge=0, description="Ray GPUs per worker; > 0 selects CUDA and NCCL.")
-    wait_for_workers_s: float = Field(30.0, ge=0, description="How long to wait for min_workers before failing.")
+    max_workers: int = Field(0, ge=0, le=MAX_WORKERS, description="The job grows back up to this many; 0 means num_workers.")
+    workers_per_node: int = Field(
+        0, ge=0,
+        description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node. One node runs its workers on the head "
+        f"unless node faults need a node to remove. At most {MAX_SIMULATED_NODES} simulated nodes (num_workers / workers_per_node) on one machine.",
+    )
+    cpus_per_worker: float = Field(1.0, ge=MIN_CPUS, le=1024, description="Ray CPUs reserved per worker.")
+    gpus_per_worker: float = Field(0.0, ge=0, le=16, description="Ray GPUs per worker (0, or at least 0.01); > 0 selects CUDA and NCCL.")
+    wait_for_workers_s: float = Field(30.0, ge=0, le=MAX_SECONDS, description="How long to wait for min_workers before failing.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "ScalingConfig":
@@ -87,6 +135,14 @@ class ScalingConfig(_Section):
             raise ValueError(f"scaling.min_workers ({self.min_workers}) exceeds scaling.num_workers ({self.num_workers})")
         if self.max_workers and self.max_workers < self.num_workers:
             raise ValueError(f"scaling.max_workers ({self.max_workers}) is below scaling.num_workers ({self.num_workers})")
+        nodes = math.ceil(self.num_workers / self.workers_per_node) if self.workers_per_node else 1
+        if nodes > MAX_SIMULATED_NODES:
+            raise ValueError(
+                f"scaling.num_workers ({self.num_workers}) / scaling.workers_per_node ({self.workers_per_node}) = {nodes} simulated nodes, "
+                f"more than the {MAX_SIMULATED_NODES} the embedded Ray runs on one machine"
+            )
+        if 0 < self.gpus_per_worker < 0.01:
+            raise ValueError(f"scaling.gpus_per_worker ({self.gpus_per_worker}) must be 0 or at least 0.01")
         return self
 
     @property
@@ -97,14 +153,14 @@ class ScalingConfig(_Section):
 class TrainingConfig(_Section):
     """The optimisation: fixed global batch, AdamW, warm-up then cosine decay."""
 
-    global_batch: int = Field(32, ge=1, description="Samples per optimizer step, whatever the world size.")
+    global_batch: int = Field(32, ge=1, le=1 << 20, description="Samples per optimizer step, whatever the world size.")
     micro_batch: int = Field(4, ge=1, description="Samples per forward/backward on one data-parallel rank.")
     steps: int = Field(200, ge=1, description="Optimizer steps to run.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    seed: int = Field(0, description="Seed of the model's initial weights.")
+    seed: int = Field(0, ge=0, description="Seed of the model's initial weights.")
 
 
 class CheckpointConfig(_Section):
@@ -124,6 +180,7 @@ class CheckpointConfig(_Section):
 
     @model_validator(mode="after")
     def _uri_safe(self) -> "CheckpointConfig":
+        _no_control_characters("checkpoint.uri", self.uri)
         if ".." in Path(re.sub(r"^[a-z0-9]+://", "", self.uri)).parts:
             raise ValueError(f"checkpoint.uri {self.uri!r} must not contain '..'")
         return self
@@ -133,18 +190,31 @@ class FaultConfig(_Section):
     """Failure detection and recovery policy."""
 
     max_failures: int = Field(5, ge=0, description="Failures tolerated before the job fails.")
-    heartbeat_s: float = Field(0.2, gt=0, description="How often the controller polls worker liveness and progress.")
-    hang_timeout_s: float = Field(0.0, ge=0, description="Explicit progress deadline; 0 calibrates it from step times.")
-    hang_factor: float = Field(5.0, ge=1, description="Deadline = factor x slowest observed step after warm-up.")
-    hang_floor_s: float = Field(5.0, gt=0, description="The calibrated deadline is never below this.")
-    startup_timeout_s: float = Field(120.0, gt=0, description="Budget for start-up and the first step.")
-    checkpoint_timeout_s: float = Field(120.0, gt=0, description="Budget for one checkpoint save.")
+    heartbeat_s: float = Field(0.2, ge=0.001, le=60, description="How often the controller polls worker liveness and progress.")
+    hang_timeout_s: float = Field(0.0, ge=0, le=MAX_SECONDS, description="Explicit progress deadline; 0 calibrates it from step times.")
+    hang_factor: float = Field(5.0, ge=1, le=1000, description="Deadline = factor x slowest observed step after warm-up.")
+    hang_floor_s: float = Field(5.0, gt=0, le=MAX_SECONDS, description="The calibrated deadline is never below this.")
+    startup_timeout_s: float = Field(120.0, gt=0, le=MAX_SECONDS, description="Budget for start-up and the first step.")
+    checkpoint_timeout_s: float = Field(120.0, gt=0, le=MAX_SECONDS, description="Budget for one checkpoint save.")
     grad_spike_factor: float = Field(
         10.0, ge=0, description="Warn (a `warning` event) when the global grad norm exceeds this many times its recent median; 0 disables."
     )
     grad_spike_window: int = Field(20, ge=1, description="Recent steps whose median grad norm the spike rule compares against.")
     grad_spike_warmup: int = Field(10, ge=1, description="Steps observed before the spike rule judges any.")
-    inject: list[str] = Field(default_factory=list, description="Fault injection specs, as --inject takes them.")
+    inject: list[str] = Field(
+        default_factory=list,
+        description="Fault injection specs, as --inject takes them (a YAML list of strings). A spec whose fault can never fire "
+        "(a rank no layout of the job has, a step past training.steps) is refused when the job is checked.",
+    )
+
+    @field_validator("inject")
+    @classmethod
+    def _specs_parse(cls, specs: list[str]) -> list[str]:
+        try:
+            parse_faults(specs)
+        except FaultSpecError as exc:
+            raise ValueError(str(exc)) from None
+        return specs
 
     @model_validator(mode="after")
     def _spike_factor(self) -> "FaultConfig":
@@ -171,6 +241,13 @@ class JobConfig(_Section):
     def _consistent(self) -> "JobConfig":
         if set(self.name) <= {"."}:
             raise ValueError(f"name {self.name!r} would put the run directory outside run_root")
+        _no_control_characters("run_root", self.run_root)
+        p = self.parallel
+        if p.dp_shard > 0 and p.pp * p.dp_replicate * p.dp_shard * p.tp != self.scaling.num_workers:
+            raise ValueError(
+                f"parallel.dp_shard ({p.dp_shard}): pp x dp_replicate x dp_shard x tp = {p.pp * p.dp_replicate * p.dp_shard * p.tp} ranks, "
+                f"not scaling.num_workers ({self.scaling.num_workers}); set parallel.dp_shard to -1 to use every worker"
+            )
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.training.global_batch % self.training.micro_batch:
@@ -203,21 +280,92 @@ class JobConfig(_Section):
         return self.checkpoint.uri or str(self.run_dir / "checkpoints")
 
 
+def _section_fields(loc: tuple) -> list[str]:
+    """The field names of the section at `loc` (() is the top level), or [] where `loc` is no section."""
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        info = model.model_fields.get(part) if isinstance(part, str) else None
+        section = info.annotation if info else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return []
+        model = section
+    return list(model.model_fields)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """`; did you mean X?` for an unknown field: the nearest field of its section, or the section that has a field of that name."""
+    name = str(loc[-1])
+    close = difflib.get_close_matches(name, _section_fields(loc[:-1]), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))}?"
+    homes = [f"{section}.{name}" for section in _section_fields(()) if name in _section_fields((section,))]
+    return f"; did you mean {' or '.join(homes)}?" if homes else ""
+
+
 def _format_error(err: ValidationError) -> str:
+    """One line naming the field: pydantic's first error, with a hint where a typical mistake is recognisable."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
+    loc = tuple(first["loc"])
+    where = ".".join(str(p) for p in loc)
+    given = first.get("input")
     msg = first["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field" + _did_you_mean(loc)
+    elif first["type"] == "list_type" and isinstance(given, str):
+        example = json.dumps([given])
+        msg = f"expected a YAML list, got the string {given!r}; write {example} (on the command line: --set '{where}={example}')"
+    elif first["type"] not in ("value_error", "assertion_error") and isinstance(given, (int, float, str)) and len(repr(given)) <= 60:
+        msg += f" (got {given!r})"
+    named = msg.startswith((f"{where}.", f"{where} "))  # a section's own check names its fields
+    line = f"{where}: {msg}" if where and not named else msg
+    return " ".join(line.splitlines())
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the safe loader itself refuses it below
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong, and on which line, in one line."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"invalid YAML{where}: {problem}"
 
 
 def _set_dotted(data: dict, dotted: str, raw: str) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"--set {dotted}={raw}: {dotted!r} is not a field name (section.field)")
+    try:
+        value = _yaml(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{dotted}: the --set value {raw!r} is {_yaml_problem(exc)} (quote it to pass a string)") from None
     node = data
     for key in keys[:-1]:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{dotted}: {key} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw)
+    node[keys[-1]] = value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None) -> JobConfig:
@@ -225,16 +373,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Raises ConfigError with a one-line message naming the field on any problem.
     """
-    raw: Any = dict(data or {})
+    raw: Any = copy.deepcopy(data or {})
     if path is not None:
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = _yaml(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read the config: {getattr(exc, 'strerror', None) or exc}") from None
         except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" (line {mark.line + 1})" if mark else ""
-            raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+            raise ConfigError(f"{path}: {_yaml_problem(exc)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections")
     for item in overrides or []:

@@ -1,28 +1,54 @@
 """Fault injection specs: `KIND:key=value,...`, from `--inject` or `fault.inject` in the YAML.
 
-Kinds:
+Kinds and the keys each takes (rank defaults to 0; step is required):
 - `kill:rank=R,step=S`     the worker SIGKILLs its own process at the start of step S
 - `node:rank=R,step=S[,back=T]`  the controller removes the Ray node that hosts rank R when it reaches
                            step S; with back=T a fresh node joins T seconds later (a spot node returning)
 - `hang:rank=R,step=S[,where=data|collective]`  the rank blocks in its data loader or in a collective the others never join
-- `kill_during_save:rank=R,step=S`  the rank SIGKILLs itself while writing the checkpoint of step S
+- `kill_during_save:rank=R,step=S`  the rank SIGKILLs itself while writing the first checkpoint at or after step S
 - `corrupt:step=S`         after step S, the newest committed checkpoint gets flipped bytes before the next restore
 `random:count=N,seed=K,steps=A-B,ranks=R[,kinds=kill+node+...][,back=T]` expands into N seeded faults
-at random ranks and steps, cycling through the kinds; its node faults come back after T (3) seconds.
+(1 <= N <= MAX_RANDOM_FAULTS; defaults count=10, seed=0, steps=5-100, ranks=4) at random ranks in
+[0, R) and steps in [A, B), cycling through the kinds; its node faults come back after T (3) seconds.
+
+A spec is refused (FaultSpecError, the message starting with the spec) for an unknown kind or key, a
+key given twice or one its kind does not use, a character that belongs in no key or value (such as
+`;`), a negative rank or step, or a `back` that is negative or not finite. Given the job,
+`unreachable` refuses a fault that can never fire: a rank that no layout of the job has, or a step
+the job never reaches.
 
 A fault fires once: it belongs to the first generation that reaches its step.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import re
 from dataclasses import asdict, dataclass
 
 KINDS = ("kill", "node", "hang", "kill_during_save", "corrupt")
+KEYS = {
+    "kill": ("rank", "step"),
+    "node": ("rank", "step", "back"),
+    "hang": ("rank", "step", "where"),
+    "kill_during_save": ("rank", "step"),
+    "corrupt": ("step",),
+    "random": ("count", "seed", "steps", "ranks", "kinds", "back"),
+}
+"""The keys each kind takes; any other key is refused rather than ignored."""
+MAX_RANDOM_FAULTS = 1000
+"""The most faults one `random:` spec may expand into (more could never fire in a run that ends)."""
+
+MAX_VALUE_CHARS = 32
+"""The longest value a key takes (a 64-bit integer has 20 digits)."""
+
+_KEY_CHARS = re.compile(r"[a-z_]+")
+_VALUE_CHARS = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
 class FaultSpecError(ValueError):
-    pass
+    """A fault spec that cannot be used; the message starts with the spec and says why."""
 
 
 @dataclass(frozen=True)
@@ -38,54 +64,92 @@ class Fault:
         return asdict(self)
 
 
-def _parse_one(spec: str, next_id: int) -> list[Fault]:
-    kind, _, rest = spec.partition(":")
-    kind = kind.strip()
+def _params(spec: str, kind: str, rest: str) -> dict[str, str]:
+    """`key=value,...` as a dict; a stray character, a missing `=`, an unknown or repeated key is named."""
     params: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
+    for item in (p.strip() for p in rest.split(",")):
+        if not item:
+            continue
         key, sep, value = item.partition("=")
-        if not sep:
-            raise FaultSpecError(f"--inject {spec!r}: expected key=value, got {item!r}")
-        params[key.strip()] = value.strip()
+        if not sep or not key:
+            raise FaultSpecError(f"{spec!r}: expected key=value, got {item!r}")
+        if not value:
+            raise FaultSpecError(f"{spec!r}: {key}= has no value")
+        if len(value) > MAX_VALUE_CHARS:
+            raise FaultSpecError(f"{spec!r}: the value of {key}= is longer than {MAX_VALUE_CHARS} characters")
+        for text, allowed in ((key, _KEY_CHARS), (value, _VALUE_CHARS)):
+            stray = next((c for c in text if not allowed.fullmatch(c)), None)
+            if stray is not None:
+                raise FaultSpecError(f"{spec!r}: unexpected {stray!r} in {item!r} (write key=value pairs separated by ',')")
+        if key not in KEYS[kind]:
+            raise FaultSpecError(f"{spec!r}: unknown key {key!r} for {kind} (takes {', '.join(KEYS[kind])})")
+        if key in params:
+            raise FaultSpecError(f"{spec!r}: {key}= is given twice")
+        params[key] = value
+    return params
+
+
+def _int(spec: str, params: dict[str, str], key: str, default: int | None, low: int) -> int:
+    """An integer key >= `low`; `default` None means the key is required."""
+    if key not in params:
+        if default is None:
+            raise FaultSpecError(f"{spec!r}: {key}= is required")
+        return default
+    try:
+        value = int(params[key])
+    except ValueError:
+        raise FaultSpecError(f"{spec!r}: {key} must be an integer, got {params[key]!r}") from None
+    if value < low:
+        raise FaultSpecError(f"{spec!r}: {key} must be >= {low}, got {value}")
+    return value
+
+
+def _seconds(spec: str, params: dict[str, str], default: float) -> float:
+    """`back=T`: a finite number of seconds >= 0."""
+    text = params.get("back")
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise FaultSpecError(f"{spec!r}: back must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise FaultSpecError(f"{spec!r}: back must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _parse_one(spec: str, next_id: int) -> list[Fault]:
+    kind, sep, rest = spec.partition(":")
+    kind = kind.strip()
+    if kind not in KEYS:
+        raise FaultSpecError(f"{spec!r}: unknown kind {kind!r} (one of {', '.join(KINDS)}, random)")
+    if not sep:
+        raise FaultSpecError(f"{spec!r}: expected {kind}:key=value,... (takes {', '.join(KEYS[kind])})")
+    params = _params(spec, kind, rest)
     if kind == "random":
         return _random_faults(params, spec, next_id)
-    if kind not in KINDS:
-        raise FaultSpecError(f"--inject {spec!r}: unknown kind {kind!r} (one of {', '.join(KINDS)}, random)")
-    allowed = {"rank", "step", "where", "back"}
-    unknown = set(params) - allowed
-    if unknown:
-        raise FaultSpecError(f"--inject {spec!r}: unknown key(s) {', '.join(sorted(unknown))}")
-    try:
-        step = int(params["step"])
-        rank = int(params.get("rank", 0))
-        back_s = float(params.get("back", 0))
-    except KeyError:
-        raise FaultSpecError(f"--inject {spec!r}: step= is required") from None
-    except ValueError:
-        raise FaultSpecError(f"--inject {spec!r}: rank and step must be integers, back a number of seconds") from None
     where = params.get("where", "data")
     if where not in ("data", "collective"):
-        raise FaultSpecError(f"--inject {spec!r}: where must be data or collective")
-    if step < 0 or rank < 0:
-        raise FaultSpecError(f"--inject {spec!r}: rank and step must be >= 0")
-    if back_s and kind != "node":
-        raise FaultSpecError(f"--inject {spec!r}: back= applies to node faults only")
-    return [Fault(id=next_id, kind=kind, step=step, rank=rank, where=where, back_s=back_s)]
+        raise FaultSpecError(f"{spec!r}: where must be data or collective, got {where!r}")
+    return [Fault(id=next_id, kind=kind, step=_int(spec, params, "step", None, 0), rank=_int(spec, params, "rank", 0, 0),
+                  where=where, back_s=_seconds(spec, params, 0.0))]
 
 
 def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Fault]:
-    try:
-        count = int(params.get("count", 10))
-        seed = int(params.get("seed", 0))
-        lo, hi = (int(v) for v in params.get("steps", "5-100").split("-"))
-        ranks = int(params.get("ranks", 4))
-        back_s = float(params.get("back", 3.0))  # random node faults come back, so the job can grow again
-    except ValueError:
-        raise FaultSpecError(f"--inject {spec!r}: count, seed, ranks must be integers, steps A-B, back seconds") from None
+    count = _int(spec, params, "count", 10, 1)
+    if count > MAX_RANDOM_FAULTS:
+        raise FaultSpecError(f"{spec!r}: count must be <= {MAX_RANDOM_FAULTS}, got {count}")
+    seed = _int(spec, params, "seed", 0, 0)
+    ranks = _int(spec, params, "ranks", 4, 1)
+    back_s = _seconds(spec, params, 3.0)  # random node faults come back, so the job can grow again
+    match = re.fullmatch(r"(\d+)-(\d+)", params.get("steps", "5-100"))
+    if not match or int(match[1]) >= int(match[2]):
+        raise FaultSpecError(f"{spec!r}: steps must be A-B with 0 <= A < B (faults at steps A..B-1), got {params['steps']!r}")
+    lo, hi = int(match[1]), int(match[2])
     kinds = params.get("kinds", "+".join(KINDS)).split("+")
     bad = [k for k in kinds if k not in KINDS]
     if bad:
-        raise FaultSpecError(f"--inject {spec!r}: unknown kind(s) {', '.join(bad)}")
+        raise FaultSpecError(f"{spec!r}: unknown kind(s) {', '.join(map(repr, bad))} in kinds= (one of {', '.join(KINDS)})")
     rng = random.Random(seed)
     steps = sorted(rng.sample(range(lo, hi), count)) if hi - lo >= count else sorted(rng.randrange(lo, hi) for _ in range(count))
     # Cycle the kinds so every kind appears; shuffle their order with the seed.
@@ -100,8 +164,37 @@ def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Faul
     ]
 
 
-def parse_faults(specs: list[str]) -> list[Fault]:
+def parse_faults(specs: list[str], *, first_id: int = 0, steps: int | None = None, max_world: int | None = None) -> list[Fault]:
+    """Every spec's faults, numbered in order from `first_id`; FaultSpecError names the first spec that cannot be used.
+
+    Given the job's `steps` and `max_world` (the most ranks any of its layouts
+    has), a fault that can never fire is refused too (see `unreachable`).
+    """
     out: list[Fault] = []
     for spec in specs:
-        out.extend(_parse_one(spec, len(out)))
+        faults = _parse_one(spec, first_id + len(out))
+        for n, fault in enumerate(faults, 1):
+            why = None if steps is None or max_world is None else unreachable(fault, steps, max_world)
+            if why and len(faults) > 1:
+                raise FaultSpecError(f"{spec!r}: its fault #{n} ({fault.kind} at rank {fault.rank}, step {fault.step}) can never fire: {why}")
+            if why:
+                raise FaultSpecError(f"{spec!r} can never fire: {why}")
+        out.extend(faults)
     return out
+
+
+def unreachable(fault: Fault, steps: int, max_world: int) -> str | None:
+    """Why `fault` can never fire in a job of `steps` steps whose layouts never exceed `max_world` ranks, or None.
+
+    Steps count from 0 as the trainer runs them (0..steps-1). A kill, node or
+    hang fault fires at the start of its step; a corrupt fault after that
+    step completes; a kill during save at the first save at or after its
+    step, and the last save is at `steps`.
+    """
+    last = steps if fault.kind == "kill_during_save" else steps - 1
+    if fault.step > last:
+        return f"step {fault.step} is never reached: training.steps is {steps}, so steps run 0..{steps - 1}" + (
+            f" and the last save is at {steps}" if fault.kind == "kill_during_save" else "")
+    if fault.kind != "corrupt" and fault.rank >= max_world:
+        return f"rank {fault.rank} never exists: the job's largest layout has {max_world} ranks (0..{max_world - 1})"
+    return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import ray
@@ -13,9 +12,10 @@ from elastic.alerts import GradSpikeRule
 from elastic.cluster import connect
 from elastic.config import ConfigError, JobConfig
 from elastic.controller import Controller, State
+from elastic import rundir
 from elastic.events import EventLog
-from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
+from elastic.preflight import check_job
 from elastic.progress import ProgressPrinter
 from elastic.rendezvous import open_store
 from elastic.report import build_report, write_report
@@ -31,21 +31,25 @@ def _absolute_local_uri(uri: str) -> str:
 
 
 def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list]:
-    """Validate everything that can fail before any worker starts."""
-    try:
-        faults = parse_faults(list(cfg.fault.inject) + list(inject or []))
-    except FaultSpecError as exc:
-        raise ConfigError(str(exc)) from None
+    """Validate everything that can fail before any worker starts, and claim the run directory.
+
+    The layout and fault checks are `elastic.preflight.check_job`'s (the ones
+    `elastic config validate` runs); the run directory is created with
+    elastic's marker, and `fresh` deletes only one elastic created
+    (`elastic.rundir`). Every problem is a ConfigError naming the field.
+    """
+    faults = check_job(cfg, inject).faults
     cfg = cfg.model_copy(deep=True)
     cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
-    run_dir = cfg.run_dir
-    if fresh:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        storage.remove_all(cfg.checkpoint.uri)
+    rundir.claim(cfg.run_root, cfg.name, fresh=fresh)
     try:
+        if fresh:
+            storage.remove_all(cfg.checkpoint.uri)
         storage.check_writable(cfg.checkpoint.uri)
-    except Exception as exc:  # noqa: BLE001 - any reason the URI cannot be written is a config problem
-        raise ConfigError(f"checkpoint.uri {cfg.checkpoint.uri!r} is not writable: {exc}") from None
+    except storage.CheckpointError as exc:  # its message names the URI and the reason
+        raise ConfigError(f"checkpoint.uri: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"checkpoint.uri: cannot delete the checkpoints under {cfg.checkpoint.uri} (--fresh): {exc}") from None
     return cfg, faults
 
 

@@ -456,8 +456,9 @@ def evaluate(layout: Layout, model: ModelProfile, hardware: Hardware, options: S
 
 # --------------------------------------------------------------------------- all layouts
 def divisors(n: int) -> list[int]:
-    """Every degree an axis of an n-rank world can take."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every degree an axis of an n-rank world can take, ascending (found up to sqrt(n): resizes scan many worlds)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def layout_problem(layout: Layout, model: ModelProfile, gpus_per_node: int, global_batch: int, options: StepOptions) -> str | None:
@@ -553,7 +554,8 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
     when no world keeps tp and pp does any other valid layout qualify (ranked
     by the planner when the hardware is known). Without hardware (CPU runs)
     memory never rules a layout out. Raises LayoutError naming why when
-    nothing qualifies.
+    nothing qualifies. When the layout leaves workers idle, the reason says
+    how many and why all `world` of them could not be used.
     """
     if world < 1:
         raise LayoutError(f"no workers available (world {world})")
@@ -563,24 +565,37 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
     bases = list(dict.fromkeys([configured_layout(cfg)] + ([previous] if previous else [])))
     floor = min(cfg.scaling.min_workers, world)
     problems: list[str] = []
+    multiples = " or ".join(str(b.tp * b.pp) for b in bases)
+    whole = None  # why not all `world` workers: said when some are left idle
     for w in range(world, floor - 1, -1):
-        for layout, how in _kept_candidates(w, bases):
+        candidates = _kept_candidates(w, bases)
+        if not candidates and whole is None:
+            whole = f"{world} is no multiple of tp*pp ({multiples})"
+        for layout, how in candidates:
             problem = _problem(layout, model, hardware, node, options)
             if problem is None:
-                return layout, _reason(world, layout, how, options.global_batch, model.micro_batch, previous)
+                return layout, _reason(world, layout, how, options.global_batch, model.micro_batch, previous, whole)
             problems.append(f"{problem} at {w} workers")
+            whole = whole or problems[0]
     more = f" (and {len(problems) - 1} smaller candidates failed)" if len(problems) > 1 else ""
-    kept = (problems[0] + more) if problems else (
-        f"no worker count in {floor}..{world} is a multiple of tp*pp ({' or '.join(str(b.tp * b.pp) for b in bases)})"
-    )
-    for w in range(world, floor - 1, -1):
+    kept = (problems[0] + more) if problems else f"no worker count in {floor}..{world} is a multiple of tp*pp ({multiples})"
+    for w in range(min(world, _world_bound(model, node, options)), floor - 1, -1):
         found = _best_other(w, model, hardware, node, options)
         if found is not None:
-            return found, _reason(world, found, "replanned", options.global_batch, model.micro_batch, previous) + f"; tp/pp not kept: {kept}"
+            idle = f"no valid layout of {world} workers" if found.world_size < world else None
+            return found, _reason(world, found, "replanned", options.global_batch, model.micro_batch, previous, idle) + f"; tp/pp not kept: {kept}"
     raise LayoutError(
         f"no layout for {floor}..{world} workers (min_workers {cfg.scaling.min_workers}): tp/pp not kept: {kept}; "
         "no other layout is valid" + (" within the GPU memory" if hardware else "")
     )
+
+
+def _world_bound(model: ModelProfile, node: int | None, options: StepOptions) -> int:
+    """No valid layout has more ranks than this: dp divides the global batch, tp divides the model's sizes
+    (and the node), pp x chunks <= layers. It spares a large world the search of every smaller one."""
+    chunks = options.virtual_stages if options.schedule == "interleaved_1f1b" else 1
+    tp = math.gcd(*model.tp_sizes().values(), node or 0)
+    return options.global_batch * max(1, model.n_layers // chunks) * tp if tp else math.inf
 
 
 def _best_other(world: int, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions) -> Layout | None:
@@ -593,13 +608,15 @@ def _best_other(world: int, model: ModelProfile, hardware: Hardware | None, node
     return min((evaluate(l, model, hardware, options) for l in valid), key=rank_key).layout
 
 
-def _reason(world: int, layout: Layout, how: str, global_batch: int, micro_batch: int, previous: Layout | None) -> str:
-    """One line for the event log: what changed, what was kept, how the batch is split, who is left idle."""
+def _reason(world: int, layout: Layout, how: str, global_batch: int, micro_batch: int, previous: Layout | None, idle_why: str | None) -> str:
+    """One line for the event log: what changed, what was kept, how the batch is split, who is left idle and why."""
     was = f"{previous} -> " if previous and previous != layout else ""
     kept = {"kept": f"kept tp={layout.tp} pp={layout.pp}", "folded": f"kept tp={layout.tp} pp={layout.pp}, folded dp_replicate into dp_shard",
             "replanned": f"replanned to tp={layout.tp} pp={layout.pp}"}[how]
     accum = layout.grad_accum_steps(global_batch, micro_batch)
+    local = layout.local_batch(global_batch)
+    split = (f"{accum} micro-batches of {micro_batch}" if local % micro_batch == 0
+             else f"{local} sample{'s' if local > 1 else ''} ({accum} micro-batch{'es' if accum > 1 else ''} of at most {micro_batch})")
     idle = world - layout.world_size
-    spare = f"; {idle} of {world} workers idle" if idle else ""
-    return (f"layout {was}{layout} on {layout.world_size} workers ({kept}); global batch {global_batch} = "
-            f"dp {layout.dp} x {accum} micro-batches of {micro_batch}{spare}")
+    spare = f"; {idle} of {world} workers idle ({idle_why})" if idle else ""
+    return f"layout {was}{layout} on {layout.world_size} workers ({kept}); global batch {global_batch} = dp {layout.dp} x {split}{spare}"

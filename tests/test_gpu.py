@@ -81,7 +81,7 @@ def test_fsdp_trains_on_the_gpu_and_its_checkpoint_loads_bit_exact_on_gpu_and_cp
     from elastic.model import build_model, initial_state, token_loss_sum
     from strategies import load_full_state
 
-    cfg = load_config("deploy/examples/demo.yaml", ["parallel.dp_shard=1"])
+    cfg = load_config("deploy/examples/demo.yaml", ["parallel.dp_shard=1", "scaling.num_workers=1", "scaling.min_workers=1"])
     layout = Layout()
     full = initial_state(build_model(cfg.model), cfg.training.seed)
     gen = torch.Generator().manual_seed(0)

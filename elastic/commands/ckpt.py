@@ -16,6 +16,7 @@ import json
 
 import storage
 from elastic.errors import UsageError
+from storage.fs import Store
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,8 +51,32 @@ def _layout(layout: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items()) or "-"
 
 
+def _absent(uri: str) -> str | None:
+    """Why `uri` holds no checkpoint directory at all (missing, or a file), or None when it exists."""
+    store = Store(uri)
+    if store.local is not None:
+        if store.local.is_dir():
+            return None
+        return "not a directory" if store.local.exists() else "no such directory"
+    return None if store.exists("") else "nothing is stored there"
+
+
+def _created(unix: float | None) -> str:
+    """The manifest's creation time in UTC, or `-` where the manifest does not say."""
+    if not isinstance(unix, (int, float)):
+        return "-"
+    try:
+        return datetime.datetime.fromtimestamp(unix, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
 def _list(args) -> int:
     entries = storage.list_checkpoints(args.uri)
+    if not entries:
+        why = _absent(args.uri)
+        if why:
+            raise UsageError(f"{args.uri}: {why}")
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -63,8 +88,7 @@ def _list(args) -> int:
         if "error" in e:
             print(f"{e['step']:>10}  BROKEN: {e['error']}")
             continue
-        created = datetime.datetime.fromtimestamp(e["created_unix"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{e['step']:>10}  {_size(e['bytes']):>10}  {e['files']:>5}  {e['tensors']:>7}  {created:<19}  {_layout(e['layout'])}")
+        print(f"{e['step']:>10}  {_size(e['bytes']):>10}  {e['files']:>5}  {e['tensors']:>7}  {_created(e['created_unix']):<19}  {_layout(e['layout'])}")
     return 0
 
 

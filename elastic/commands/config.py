@@ -1,7 +1,7 @@
 """`elastic config`: the job config's JSON schema, a validator, and the generated field reference.
 
     elastic config schema                      # JSON schema of JobConfig (for editors and CI linters)
-    elastic config validate job.yaml --set training.steps=50
+    elastic config validate job.yaml --set training.steps=50 [--inject kill:rank=1,step=5]
     elastic config reference -o docs/config-reference.md
     elastic config reference --check docs/config-reference.md
 
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from elastic.config import JobConfig, load_config
+from elastic.preflight import check_job
 
 REFERENCE_PATH = Path("docs/config-reference.md")
 """Where the committed reference lives, relative to the repository root."""
@@ -30,10 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="print the JSON schema of the job config")
     schema.set_defaults(func=_schema)
 
-    validate = sub.add_parser("validate", help="check a job YAML (exit 0 and print OK, or exit 2 with the error)")
+    validate = sub.add_parser("validate", help="check a job YAML as `elastic run` would: print its layout and OK, or exit 2 with the error")
     validate.add_argument("config", help="job YAML")
     validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a config field, as `elastic run --set` does")
+    validate.add_argument("--inject", action="append", default=[], metavar="SPEC", help="a fault spec, as `elastic run --inject` takes it")
     validate.set_defaults(func=_validate)
 
     reference = sub.add_parser("reference", help="render the Markdown reference of every config field")
@@ -49,7 +51,9 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    load_config(args.config, args.overrides)  # a ConfigError becomes `elastic: error: ...`, exit 2
+    """The checks `elastic run` does before it starts a worker (a ConfigError becomes `elastic: error: ...`, exit 2)."""
+    cfg = load_config(args.config, args.overrides)
+    print(check_job(cfg, args.inject).summary)
     print("OK")
     return 0
 

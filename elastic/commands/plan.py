@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -101,6 +102,15 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
     return model, hardware, options
 
 
+def human_count(n: float) -> str:
+    """A parameter count as people write it: 350M, 7B, 1.5T (`parse_count` reads these back); 1e+15 past the trillions."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        value = float(f"{n / scale:.3g}")  # rounded first, so 999.9e9 is 1T, not 1e+03B
+        if 1 <= value < 1000:
+            return f"{value:g}{suffix}"
+    return f"{n:.3g}"
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:.1f}"
 
@@ -119,7 +129,7 @@ def _row(i: int, e: PlanEntry) -> list[str]:
 
 def _summary(model: ModelProfile, hw: Hardware, options: StepOptions, shown: int, total: int) -> str:
     fits = "activation checkpointing" if options.activation_checkpointing else "full activations"
-    return (f"{model.params / 1e9:.3g}B parameters, {model.n_layers} layers, dim {model.dim}, seq {model.seq_len}, micro-batch {model.micro_batch}; "
+    return (f"{human_count(model.params)} parameters, {model.n_layers} layers, dim {model.dim}, seq {model.seq_len}, micro-batch {model.micro_batch}; "
             f"{hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_bytes / 1e9:g} GB, {hw.intra_bw / 1e9:g}/{hw.inter_bw / 1e9:g} GB/s intra/inter); "
             f"schedule {options.schedule}; fit with {fits}; best {shown} of {total} layouts. "
             "mem = state (HSDP over dp_shard) + activations + gathered blocks; DP/Z1/Z2/Z3 = model state under plain DP and ZeRO-1/2/3 "
@@ -149,6 +159,16 @@ def _print_table(summary: str, rows: list[list[str]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        # The reader went away (`elastic plan --json | head`): stop quietly, as a Unix filter does. Later
+        # writes (and Python's flush at exit) go to /dev/null instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.params is None and args.config is None and args.timeline is None:
         raise UsageError("give --params or --config (or --timeline to draw a schedule)")
     out: dict = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from elastic.config import load_config
+from elastic.preflight import check_job
 
 
 def register(subparsers) -> None:
@@ -22,6 +23,7 @@ def _run(args) -> int:
     from elastic.job import run_job, succeeded
 
     cfg = load_config(args.config, args.overrides)
+    print(check_job(cfg, args.inject).summary, flush=True)  # the layout it starts with, before Ray starts (run_job checks again)
     report = run_job(cfg, args.inject, address=args.address, fresh=args.fresh, quiet=args.quiet)
     summary = {k: report[k] for k in ("state", "steps_completed", "initial_loss", "final_loss", "world_sizes", "samples", "goodput")}
     summary["failures"] = [{k: f[k] for k in ("kind", "rank", "detect_s", "recover_s", "lost_steps")} for f in report["failures"]]

@@ -1,0 +1,230 @@
+"""Bad input is exit 2 and one line naming the field (or the fault spec), never a traceback; what is accepted runs.
+
+The first tests run `python -m elastic` in a subprocess, as a user types it;
+the parametrized ones go through `elastic.cli.main` in this process (the same
+code path, without a second interpreter start for each case).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic import rundir
+from elastic.cli import main
+from elastic.config import ConfigError, load_config
+from elastic.layout import Layout
+from elastic.policies import ScalingPolicy
+from elastic.preflight import check_job
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "deploy" / "examples" / "demo.yaml")
+
+
+def _elastic(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    return subprocess.run([sys.executable, "-m", "elastic", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _one_line_error(result, *needles: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- as the user types it
+def test_cli_refuses_an_infinite_float_and_a_never_firing_fault(tmp_path):
+    _one_line_error(_elastic("config", "validate", DEMO, "--set", "fault.heartbeat_s=.inf"), "fault.heartbeat_s", "finite")
+    # `elastic run` refuses before it starts Ray: a rank that no layout of 4 workers has
+    err = _one_line_error(_elastic("run", DEMO, "--set", f"run_root={tmp_path}", "--inject", "kill:rank=9,step=5"),
+                          "--inject 'kill:rank=9,step=5'", "rank 9")
+    assert "4 ranks" in err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_cli_refuses_an_ignored_dp_shard_and_a_misspelt_fault_key(tmp_path):
+    _one_line_error(_elastic("run", DEMO, "--set", f"run_root={tmp_path}", "--set", "parallel.dp_shard=3"), "parallel.dp_shard (3)")
+    _one_line_error(_elastic("config", "validate", DEMO, "--inject", "random:cuont=2"), "'random:cuont=2'", "unknown key 'cuont'")
+
+
+def test_cli_fresh_leaves_a_foreign_directory_alone(tmp_path):
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "notes.txt").write_text("mine")
+    _one_line_error(_elastic("run", DEMO, "--fresh", "--set", f"run_root={tmp_path}"), "not created by elastic")
+    assert (tmp_path / "demo" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_ckpt_list_of_a_missing_directory_is_an_error(tmp_path):
+    _one_line_error(_elastic("ckpt", "list", str(tmp_path / "nope")), "no such directory")
+    ok = _elastic("ckpt", "list", str(tmp_path))
+    assert ok.returncode == 0 and "no committed checkpoints" in ok.stdout and ok.stderr == ""
+
+
+def test_cli_plan_into_a_closed_pipe_is_quiet():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "plan", "--json", "--params", "7e9", "--gpus", "64", "--top", "50"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"  # then stop reading, as `| head -1` does
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and stderr == "", stderr
+
+
+# --------------------------------------------------------------------------- one line, naming the field
+@pytest.mark.parametrize("sets, needles", [
+    # not finite, or beyond a size that can work
+    (["training.lr=.inf"], ["training.lr", "finite"]),
+    (["training.lr=.nan"], ["training.lr", "finite"]),
+    (["fault.hang_factor=.inf"], ["fault.hang_factor", "finite"]),
+    (["scaling.cpus_per_worker=.nan"], ["scaling.cpus_per_worker", "finite"]),
+    (["scaling.cpus_per_worker=1e-300"], ["scaling.cpus_per_worker", "0.01"]),
+    (["data.num_samples=1000000000000"], ["data.num_samples", "134217728"]),
+    (["scaling.num_workers=4000", "scaling.workers_per_node=2"], ["scaling.workers_per_node", "2000 simulated nodes", "32"]),
+    (["scaling.num_workers=100000"], ["scaling.num_workers", "65536"]),
+    (["training.seed=100000000000000000000000"], ["training.seed", "64 bits"]),
+    (["data.seed=-1"], ["data.seed"]),
+    # fault specs in the config are parsed when it loads
+    (['fault.inject=["kil:rank=1,step=5"]'], ["fault.inject", "unknown kind 'kil'"]),
+    (['fault.inject=["random:count=-1"]'], ["fault.inject", "count must be >= 1"]),
+    # messages that point at the mistake
+    (["training.stpes=5"], ["training.stpes", "did you mean training.steps?"]),
+    (["steps=5"], ["did you mean training.steps?"]),
+    (["u.x=1"], ["u: unknown field"]),  # the section is named even when its name starts the message's words
+    (["fault.inject=kill:rank=1,step=5"], ["fault.inject", "YAML list", """--set 'fault.inject=["kill:rank=1,step=5"]'"""]),
+    (["training.steps=[1"], ["training.steps", "invalid YAML"]),
+    (["training.steps=!!python/name:os.system"], ["training.steps", "invalid YAML"]),
+    (["model..dim=3"], ["model..dim", "not a field name"]),
+    # layouts that would not be what runs
+    (["parallel.dp_shard=3"], ["parallel.dp_shard (3)", "scaling.num_workers (4)"]),
+    (["parallel.dp_shard=4", "training.global_batch=6", "training.micro_batch=1"], ["parallel.dp_shard (4)", "does not divide the global batch 6"]),
+])
+def test_bad_setting_is_one_line_naming_the_field(capsys, sets, needles):
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["config", "validate", DEMO, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("random:count=-1", "count must be >= 1"),
+    ("random:ranks=0", "ranks must be >= 1"),
+    ("random:steps=5-5", "steps must be A-B with 0 <= A < B"),
+    ("random:cuont=2", "unknown key 'cuont'"),
+    ("random:count=5000", "count must be <= 1000"),
+    ("node:rank=1,step=5,back=nan", "back must be a finite number"),
+    ("node:rank=1,step=5,back=-1", "back must be a finite number"),
+    ("kill:rank=1;step=5", "unexpected ';' in 'rank=1;step=5'"),
+    ("kill:rank=1,rank=2,step=5", "rank= is given twice"),
+    ("kill:rank=1,step=5,where=collective", "unknown key 'where' for kill"),
+    ("kill:rank=9,step=5", "rank 9 never exists: the job's largest layout has 4 ranks"),
+    ("kill:rank=1,step=300", "step 300 is never reached: training.steps is 300"),
+    ("corrupt:step=300", "step 300 is never reached"),
+    ("random:count=3,steps=250-400", "can never fire: step"),
+    ("random:count=3,ranks=8,steps=5-6", "can never fire: rank"),
+])
+def test_bad_inject_spec_is_one_line_naming_the_spec(capsys, spec, needle):
+    assert main(["config", "validate", DEMO, "--inject", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--inject {spec!r}" in err and needle in err, err
+
+
+def test_faults_that_can_fire_are_accepted():
+    cfg = load_config(DEMO)
+    faults = check_job(cfg, ["kill:rank=3,step=299", "kill_during_save:rank=0,step=300", "random:count=4,seed=1,steps=10-290,ranks=4"]).faults
+    assert [f.id for f in faults] == list(range(7))  # the demo's own node fault first, then these
+    grown = load_config(DEMO, ["scaling.max_workers=6", "training.global_batch=24"])
+    assert check_job(grown, ["kill:rank=5,step=5"]).max_world == 6  # rank 5 exists once the job grows to 6
+
+
+def test_config_validate_names_a_never_firing_fault_of_the_yaml(capsys):
+    assert main(["config", "validate", DEMO, "--set", "training.steps=100"]) == 2  # the demo's node fault is at step 140
+    assert "fault.inject 'node:rank=3,step=140' can never fire: step 140 is never reached" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- what is accepted runs
+def test_explicit_dp_shard_is_the_layout_that_runs():
+    cfg = load_config(DEMO, ["parallel.dp_shard=2", "parallel.dp_replicate=2"])
+    assert check_job(cfg).layout == Layout(dp_replicate=2, dp_shard=2)
+    decision = ScalingPolicy(cfg).decide(cfg.scaling.num_workers, None)  # what the controller starts with
+    assert decision.layout == Layout(dp_replicate=2, dp_shard=2)
+
+
+def test_validate_prints_the_layout_and_the_idle_workers(capsys):
+    sets = ["parallel.tp=2", "scaling.num_workers=3", "scaling.workers_per_node=0", "fault.inject=[]"]
+    assert main(["config", "validate", DEMO, *[a for s in sets for a in ("--set", s)]]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["layout tp=2 on 2 workers (kept tp=2 pp=1); global batch 32 = dp 1 x 4 micro-batches of 8; "
+                   "1 of 3 workers idle (3 is no multiple of tp*pp (2))", "OK"]
+
+
+def test_unwritable_checkpoint_uri_is_said_once(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    code = main(["run", DEMO, "--set", f"checkpoint.uri={tmp_path / 'f' / 'sub'}", "--set", f"run_root={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("not writable") == 1 and err.startswith("elastic: error: checkpoint.uri: "), err
+
+
+# --------------------------------------------------------------------------- the run directory
+def test_fresh_deletes_only_a_run_directory_elastic_created(tmp_path):
+    mine = rundir.claim(str(tmp_path), "job", fresh=False)
+    assert (mine / rundir.MARKER).is_file()
+    (mine / "events.jsonl").write_text("{}\n")
+    assert rundir.claim(str(tmp_path), "job", fresh=True) == mine and not (mine / "events.jsonl").exists()
+
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    for fresh in (True, False):
+        with pytest.raises(ConfigError, match="not empty and was not created by elastic"):
+            rundir.claim(str(tmp_path), "notes", fresh=fresh)
+    assert (foreign / "thesis.tex").read_text() == "years of work"
+
+
+def test_fresh_accepts_a_run_directory_of_an_older_version(tmp_path):
+    old = tmp_path / "demo"
+    (old / "checkpoints" / "step_00000025").mkdir(parents=True)
+    for name in ("events.jsonl", "report.json", "loss.png"):
+        (old / name).write_text("x")
+    rundir.claim(str(tmp_path), "demo", fresh=True)
+    assert sorted(p.name for p in old.iterdir()) == [rundir.MARKER]
+
+
+def test_run_root_of_slash_or_home_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="run_root '/' is the filesystem root"):
+        rundir.claim("/", "etc", fresh=True)
+    with pytest.raises(ConfigError, match="is the home directory"):
+        rundir.claim(str(tmp_path), "job", fresh=True)
+    with pytest.raises(ConfigError, match="is the home directory"):
+        rundir.claim(str(tmp_path.parent), tmp_path.name, fresh=True)
+    assert Path("/etc").is_dir()
+
+
+# --------------------------------------------------------------------------- ckpt list
+def test_ckpt_list_without_a_creation_time_prints_a_dash(tmp_path, capsys):
+    import json
+
+    import torch
+
+    import storage
+    from storage.format import MANIFEST, step_dir
+
+    rows = storage.write_shards(str(tmp_path), 10, 0, {"model.w": torch.ones(2)})
+    storage.commit(str(tmp_path), 10, rows, layout={"dp_shard": 1}, train_state={"step": 10})
+    manifest = tmp_path / step_dir(10) / MANIFEST
+    data = json.loads(manifest.read_text())
+    del data["created_unix"]  # written by an older version, or by hand
+    manifest.write_text(json.dumps(data))
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[0] == "10" and row[-2:] == ["-", "dp_shard=1"]
