@@ -31,6 +31,7 @@ class ScriptedGroup:
         self.starts: list[tuple[int, int | None]] = []
         self.stop_at: int | None = None
         self.unreachable_at_stop: list[int] = []  # ranks whose node cannot be told to stop (lost as a resize begins)
+        self.spare_errors: dict[str, str] = {}  # nodes whose agent cannot start a spare, and why
 
     # the RayWorkerGroup surface the controller uses
     def capacity(self) -> int:
@@ -48,7 +49,7 @@ class ScriptedGroup:
         self.stop_at = step
 
     def replenish(self) -> dict[str, str]:
-        return {}
+        return dict(self.spare_errors)
 
     def node_of(self, rank: int) -> str:
         return f"node{rank // 2}"
@@ -139,6 +140,14 @@ def test_happy_path_one_transition_at_a_time(tmp_path):
     assert [e["step"] for e in ctrl.events.of("checkpoint_committed")] == [4, 8, 12]
     assert [c["step"] for c in storage.list_checkpoints(ctrl.cfg.checkpoint.uri)] == [12, 8, 4]
     _ledger_clean(ctrl)
+
+
+def test_a_node_without_a_spare_is_a_warning_not_a_failure(tmp_path):
+    ctrl, group, _ = _setup(tmp_path)
+    group.spare_errors = {"node1": "no answer within 5.0s"}
+    assert _run(ctrl)[-1] is State.FINISHED and not ctrl.failures
+    (warning,) = ctrl.events.of("warning")  # once: spares are asked for once per generation
+    assert warning["kind"] == "spare_failed" and warning["node"] == "node1" and "no answer" in warning["message"]
 
 
 def test_dead_rank_recovers_from_last_commit(tmp_path):
