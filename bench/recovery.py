@@ -216,9 +216,10 @@ def _proc_start_time(pid: int) -> float | None:
 def _instrument_worker_group(log: Log) -> None:
     """Time the sub-phases of RayWorkerGroup.start/shutdown in this (driver) process; elastic itself is unchanged.
 
-    start() = agents' prepare -> ray.get (the rank processes up: warm ones reused, new ones
-    spawned and `import torch`, `elastic.train`) -> ray.get(start) (the training threads are
-    launched). The rank processes' creation times come from /proc (same machine).
+    start() = the agents' prepare calls -> one ray.wait for all of them (the rank processes up: warm
+    ones reused, new ones spawned and `import torch`, `elastic.train`) -> their start calls -> one
+    ray.wait (the training threads are launched). The rank processes' creation times come from
+    /proc (same machine).
     """
     import ray
 
@@ -226,16 +227,16 @@ def _instrument_worker_group(log: Log) -> None:
 
     class TimedRay:
         active = False
-        gets = 0
+        waits = 0
 
         def __getattr__(self, name):
             return getattr(ray, name)
 
-        def get(self, *a, **kw):
-            out = ray.get(*a, **kw)
+        def wait(self, *a, **kw):
+            out = ray.wait(*a, **kw)
             if TimedRay.active:
-                TimedRay.gets += 1
-                log.emit("wg_get_done", n=TimedRay.gets)
+                TimedRay.waits += 1
+                log.emit("wg_wait_done", n=TimedRay.waits)
             return out
 
     wg.ray = TimedRay()
@@ -243,7 +244,7 @@ def _instrument_worker_group(log: Log) -> None:
 
     def start(self, layout, specs, **kw):
         log.emit("wg_start_begin")
-        TimedRay.active, TimedRay.gets = True, 0
+        TimedRay.active, TimedRay.waits = True, 0
         try:
             return orig_start(self, layout, specs, **kw)
         finally:
@@ -524,16 +525,16 @@ def _worker_group_phases(run: dict) -> dict:
     sd0 = next((e for e in after if e["ev"] == "wg_shutdown_begin"), None)
     sd1 = next((e for e in after if e["ev"] == "wg_shutdown_end"), None)
     st0 = next((e for e in after if e["ev"] == "wg_start_begin"), None)
-    info = next((e for e in after if e["ev"] == "wg_get_done" and e["n"] == 1), None)
-    started = next((e for e in after if e["ev"] == "wg_get_done" and e["n"] == 2), None)
+    info = next((e for e in after if e["ev"] == "wg_wait_done" and e["n"] == 1), None)
+    started = next((e for e in after if e["ev"] == "wg_wait_done" and e["n"] == 2), None)
     st1 = next((e for e in after if e["ev"] == "wg_start_end"), None)
     out = {}
     if sd0 and sd1:
         out["shutdown: the agents kill the rank processes, then ray.kill the agents"] = sd1["t"] - sd0["t"]
     if st0 and info:
-        out["rank processes up: agents reuse warm ones or spawn and import torch + elastic.train (ray.get(prepare))"] = info["t"] - st0["t"]
+        out["rank processes up: agents reuse warm ones or spawn and import torch + elastic.train (prepare)"] = info["t"] - st0["t"]
     if info and started:
-        out["agents hand each rank process its spec; the training threads start (ray.get(start))"] = started["t"] - info["t"]
+        out["agents hand each rank process its spec; the training threads start (start)"] = started["t"] - info["t"]
     if "running" in marks and "first_step_began" in marks:
         out["training thread: TCPStore, init_process_group, mesh, FSDP wrap, checkpoint load"] = marks["first_step_began"] - marks["running"]
     if "first_step_began" in marks and "first_step_done" in marks:

@@ -20,12 +20,25 @@ controller's calls:
 
 A child whose generation ended cleanly stays up, idle, for the next one; one
 spare per node (CPU jobs) is started ahead so that a rank that dies is
-replaced by a process that is already up. Children exit when the agent goes
-away (their pipe closes), so a node that dies takes its ranks with it.
+replaced by a process that is already up. Children die with the agent: each
+sets a parent-death signal, which the kernel sends when the thread that
+forked it ends. So every child is forked by one thread that lives as long as
+the agent (`_spawner`), never by the thread of whichever call asked for it:
+Ray runs the agent's calls on a pool of threads whose lives are Ray's to
+decide.
+
+Ray runs up to eight of the agent's calls at once (a long poll waits while
+the controller asks for stacks or a teardown), and each child's reader thread
+updates what the child reported. One lock (`_lock`) guards the list of
+children and what is known of each (its rank, state, records); it is held
+only to look and to change, never while waiting on a child, so a poll is
+never held up by a slow command. Commands to a child go one at a time (the
+child's own `lock`), each with an id its reply must match.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import signal
@@ -33,18 +46,24 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import ray
 
+from elastic.messages import (
+    Command, DumpStacks, RankState, RankStatus, Ready, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
+)
 from elastic.sched import batch_this_process
 
 ROOT = Path(__file__).resolve().parent.parent
 GATHER_S = 0.02
 """Once a rank's step records wake a poll, how long the agent waits for its other ranks' before it answers."""
+COMMAND_TIMEOUT_S = 10.0
+"""How long the agent waits for a rank to answer a quick command (take its start, stop after a step)."""
 
 
 @dataclass
@@ -54,12 +73,12 @@ class _Child:
     gpus: list[str]
     rank: int | None = None  # None: idle (a spare, or kept warm from an ended generation)
     ready: threading.Event = field(default_factory=threading.Event)
-    failed: str | None = None  # why it could not start (its traceback)
-    exit: str | None = None  # set once the process is gone
-    state: dict | None = None  # the last state it pushed (see elastic.rank_process)
+    failed: str | None = None  # why it could not start (its traceback), set once by its reader
+    exit: str | None = None  # set once the process is gone, by its reader
+    state: RankState | None = None  # the last state it pushed, without its records
     records: list = field(default_factory=list)  # records not yet polled, of generation `records_gen`
     records_gen: int = -1
-    replies: queue.Queue = field(default_factory=queue.Queue)
+    replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
 
 
@@ -77,86 +96,113 @@ class NodeAgent:
         self._gpus_per_rank = int(gpus_per_rank)
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self._children: list[_Child] = []
+        self._lock = threading.Lock()  # guards _children and each child's rank, state and records
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
-        self._records_lock = threading.Lock()  # a push's records and a poll's draining never interleave
+        self._request_ids = itertools.count(1)
+        # The one thread that forks children: it lives as long as the agent, so their parent-death signal
+        # fires when the agent ends and not before. A pool of one thread keeps its thread until shutdown.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self._gpu_ids}
 
     # -- children ----------------------------------------------------------------------
     def _spawn(self) -> _Child:
+        """Start one child (on the spawner thread) and add it; the caller holds `_lock`."""
         taken = {g for c in self._children for g in c.gpus}
         gpus = [g for g in self._gpu_ids if g not in taken][: self._gpus_per_rank]
+        proc, conn = self._spawner.submit(self._popen, gpus).result()
+        child = _Child(proc, conn, gpus)
+        self._children.append(child)
+        threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
+        return child
+
+    def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen, Connection]:
         env = dict(os.environ, OMP_NUM_THREADS=self._omp_threads)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         if self._gpus_per_rank:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         ours, theirs = Pipe()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic.rank_process", str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd()
-        )
-        theirs.close()
-        child = _Child(proc, ours, gpus)
-        self._children.append(child)
-        threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
-        return child
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic.rank_process", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd(),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return proc, ours
 
     def _read(self, c: _Child) -> None:
         """Everything a child sends: readiness, pushed state, command replies; and its end."""
         while True:
             try:
-                kind, body = c.conn.recv()
+                message = c.conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "state":
-                records = body.pop("records")
-                with self._records_lock:
-                    if body["generation"] != c.records_gen:
-                        c.records, c.records_gen = [], body["generation"]
-                    c.records.extend(records)
-                    c.state = body
-                if records or body["finished"] or body["error"]:
+            if isinstance(message, RankState):
+                with self._lock:
+                    if message.generation != c.records_gen:
+                        c.records, c.records_gen = [], message.generation
+                    c.records.extend(message.records)
+                    c.state = replace(message, records=[])
+                if message.records or message.finished or message.error:
                     self._changed.set()
-            elif kind == "reply":
-                c.replies.put(body)
-            elif kind == "ready":
+            elif isinstance(message, Reply):
+                c.replies.put(message)
+            elif isinstance(message, Ready):
                 c.ready.set()
-            elif kind == "failed":
-                c.failed = body
-        c.exit = _describe_exit(c.proc.wait())
+            elif isinstance(message, StartFailed):
+                c.failed = message.error
+        how = _describe_exit(c.proc.wait())
+        with self._lock:
+            c.exit = how
         c.ready.set()
         c.replies.put(None)  # whoever waits on a reply learns at once that none will come
         self._changed.set()
 
-    def _ask(self, children: list[_Child], command: str, *args, timeout_s: float) -> list:
-        """Send `command` to each child, then collect the answers (None: no answer in time, or it died)."""
-        asked = []
-        for c in children:
-            c.lock.acquire()
+    def _ask(self, requests: list[tuple[_Child, Command]], timeout_s: float) -> list[Reply | None]:
+        """Send each child its command, then collect the replies (None: no reply in time, or it died), all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        sent: list[tuple[_Child, int]] = []
+        for c, command in requests:
+            if not c.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                continue  # still busy with an earlier command that outlived its caller
             try:
                 if c.exit is not None:
                     raise OSError("the rank process is gone")
-                c.conn.send((command, args))
-                asked.append(c)
+                request = Request(next(self._request_ids), command)
+                c.conn.send(request)
+                sent.append((c, request.id))
             except (OSError, ValueError):
                 c.lock.release()
-        deadline = time.monotonic() + timeout_s
-        answers = {}
+        replies = {}
         try:
-            for c in asked:
-                try:
-                    reply = c.replies.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    reply = None
-                answers[id(c)] = reply[0] if reply is not None and reply[1] is None else None
+            for c, request_id in sent:
+                replies[id(c)] = self._reply(c, request_id, deadline)
         finally:
-            for c in asked:
-                while not c.replies.empty():  # a late answer must not be taken for the next command's
-                    c.replies.get_nowait()
+            for c, _ in sent:
                 c.lock.release()
-        return [answers.get(id(c)) for c in children]
+        return [replies.get(id(c)) for c, _ in requests]
+
+    @staticmethod
+    def _reply(c: _Child, request_id: int, deadline: float) -> Reply | None:
+        """The child's reply to `request_id`; a late reply to an earlier request is dropped."""
+        while True:
+            try:
+                reply = c.replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if reply is None:
+                c.replies.put(None)  # it died: so every later wait learns too
+                return None
+            if reply.id == request_id:
+                return reply
 
     def _kill(self, children: list[_Child]) -> None:
+        """Kill `children` and forget them; the caller holds `_lock`."""
         for c in children:
             if c.proc.poll() is None:
                 c.proc.kill()
@@ -164,12 +210,12 @@ class NodeAgent:
                 self._children.remove(c)
 
     def _assign(self, c: _Child, rank: int | None, generation: int) -> None:
-        """Give `c` a rank of `generation` (None, -1: idle), forgetting what it reported before."""
-        with self._records_lock:
-            c.rank, c.state, c.records, c.records_gen = rank, None, [], generation
+        """Give `c` a rank of `generation` (None, -1: idle), forgetting what it reported before; the caller holds `_lock`."""
+        c.rank, c.state, c.records, c.records_gen = rank, None, [], generation
 
     def _ranks(self) -> list[_Child]:
-        return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
+        with self._lock:
+            return sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank)
 
     # -- the controller's calls --------------------------------------------------------
     def prepare(self, n: int, keep_idle: int, timeout_s: float, spare: bool = False) -> list[int]:
@@ -178,11 +224,12 @@ class NodeAgent:
         With `spare`, also start one more now (not waited for), so that its
         start-up overlaps the others'. Returns the pids of the `n`.
         """
-        idle = [c for c in self._children if c.rank is None and c.exit is None]
-        self._kill([c for c in self._children if c.exit is not None])
-        while len(idle) < n + (1 if spare else 0):
-            idle.append(self._spawn())
-        self._kill(idle[n + keep_idle:])
+        with self._lock:
+            idle = [c for c in self._children if c.rank is None and c.exit is None]
+            self._kill([c for c in self._children if c.exit is not None])
+            while len(idle) < n + (1 if spare else 0):
+                idle.append(self._spawn())
+            self._kill(idle[n + keep_idle:])
         deadline = time.monotonic() + timeout_s
         for c in idle[:n]:
             if not c.ready.wait(max(0.0, deadline - time.monotonic())):
@@ -192,62 +239,76 @@ class NodeAgent:
         return [c.proc.pid for c in idle[:n]]
 
     def start(self, assignments: list[tuple[int, dict]], store_host: str, store_port: int, timeout_s: float) -> dict[int, int]:
-        """Give each ready idle child its rank and spec; return {rank: pid}."""
-        idle = [c for c in self._children if c.rank is None and c.exit is None and c.ready.is_set()]
-        pairs = list(zip(idle, assignments))
-        for c, (rank, spec) in pairs:
-            self._assign(c, rank, spec["generation"])
-        for c, (_, spec) in pairs:
-            self._ask([c], "start", spec, store_host, store_port, timeout_s, timeout_s=30.0)
+        """Give each ready idle child its rank and spec; return {rank: pid}. Raises if a rank cannot be handed over."""
+        with self._lock:
+            idle = [c for c in self._children if c.rank is None and c.exit is None and c.ready.is_set()]
+            if len(idle) < len(assignments):
+                raise RuntimeError(f"{len(assignments)} ranks to start and {len(idle)} rank processes ready: one ended since prepare")
+            pairs = list(zip(idle, assignments))
+            for c, (rank, spec) in pairs:
+                self._assign(c, rank, spec["generation"])
+        replies = self._ask([(c, Start(spec, store_host, store_port, timeout_s)) for c, (_, spec) in pairs], COMMAND_TIMEOUT_S)
+        refused = {rank: (r.error if r else c.exit or "no answer") for (c, (rank, _)), r in zip(pairs, replies) if r is None or r.error}
+        if refused:
+            raise RuntimeError(f"rank processes did not take their start: {refused}")
         return {rank: c.proc.pid for c, (rank, _) in pairs}
 
     def spare(self) -> None:
         """Start one idle child if there is none (not waited for: it comes up while the ranks train)."""
-        if not any(c.rank is None and c.exit is None for c in self._children):
-            self._spawn()
+        with self._lock:
+            if not any(c.rank is None and c.exit is None for c in self._children):
+                self._spawn()
 
     @ray.method(enable_task_events=False)  # about one call a second: not worth a record in the GCS each
-    def poll(self, generation: int, wait_s: float) -> dict[int, dict]:
-        """{rank: {"alive", "error", "poll"}} for the node's ranks, after waiting up to `wait_s` for news."""
+    def poll(self, generation: int, wait_s: float) -> list[RankStatus]:
+        """The node's ranks, alive with their state and new records or dead, after waiting up to `wait_s` for news."""
         def ended() -> bool:
-            return any(c.exit or (c.state and (c.state["finished"] or c.state["error"])) for c in self._ranks())
+            return any(c.exit or (c.state and (c.state.finished or c.state.error)) for c in self._ranks())
 
         if wait_s > 0 and not ended() and self._changed.wait(wait_s) and not ended():
             time.sleep(GATHER_S)  # ranks in lockstep push within moments of each other: one answer for all of them
         self._changed.clear()  # before draining: a push after this wakes the next poll
         now = time.time()
-        out = {}
-        for c in self._ranks():
-            if c.exit is not None:
-                out[c.rank] = {"alive": False, "error": c.exit}
-                continue
-            s = c.state or {"generation": generation, "step": -1, "phase": "start", "phase_since": now, "finished": False, "error": None}
-            records = []
-            with self._records_lock:
+        out = []
+        with self._lock:
+            for c in sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank):
+                if c.exit is not None:
+                    out.append(RankStatus(c.rank, False, error=c.exit))
+                    continue
+                records = []
                 if c.records_gen == generation:
                     records, c.records = c.records, []
-            out[c.rank] = {"alive": True, "poll": {**s, "phase_s": now - s["phase_since"], "records": records}}
+                state = c.state or RankState(generation, -1, "start", now)
+                out.append(RankStatus(c.rank, True, replace(state, records=records)))
         return out
 
-    def stop_after(self, step: int) -> None:
-        self._ask(self._ranks(), "stop_after", step, timeout_s=10.0)
-
-    def stacks(self, timeout_s: float) -> dict[int, str]:
+    def stop_after(self, step: int) -> list[int]:
+        """Have every rank stop after `step`; returns the ranks that did not take it."""
         ranks = self._ranks()
-        return {c.rank: s if s is not None else "<no stack: no answer>" for c, s in zip(ranks, self._ask(ranks, "stacks", timeout_s=timeout_s))}
+        replies = self._ask([(c, StopAfter(step)) for c in ranks], COMMAND_TIMEOUT_S)
+        return [c.rank for c, r in zip(ranks, replies) if r is None or r.error]
+
+    def stacks(self, timeout_s: float) -> dict[int, StackDump]:
+        ranks = self._ranks()
+        replies = self._ask([(c, DumpStacks()) for c in ranks], timeout_s)
+        return {c.rank: r.value if r and r.error is None else StackDump.missing(r.error if r else "no answer") for c, r in zip(ranks, replies)}
 
     def teardown(self, kill_ranks: list[int], grace_s: float) -> int:
         """End the generation here: kill `kill_ranks`, reset the others (kill any still stuck); how many stay warm."""
-        self._kill([c for c in self._ranks() if c.rank in set(kill_ranks)])
+        with self._lock:
+            self._kill([c for c in self._children if c.rank is not None and c.rank in set(kill_ranks)])
         rest = self._ranks()
+        replies = self._ask([(c, Reset(grace_s)) for c in rest], grace_s + 0.5)
         kept = 0
-        for c, ok in zip(rest, self._ask(rest, "reset", grace_s, timeout_s=grace_s + 0.5)):
-            if ok:
-                self._assign(c, None, -1)
-                kept += 1
-            else:
-                self._kill([c])
+        with self._lock:
+            for c, r in zip(rest, replies):
+                if r is not None and r.value is True:
+                    self._assign(c, None, -1)
+                    kept += 1
+                else:
+                    self._kill([c])
         return kept
 
     def shutdown(self) -> None:
-        self._kill(list(self._children))
+        with self._lock:
+            self._kill(list(self._children))

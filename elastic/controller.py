@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import storage
 from elastic.checkpointing import CheckpointCoordinator
@@ -32,11 +32,12 @@ from elastic.events import EventLog
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.ledger import SampleLedger
+from elastic.messages import RankState, StackDump
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 from elastic.rendezvous import parse_fault_signal
 from elastic.train import RankSpec, lr_at
 from elastic.watchdog import HangWatchdog
-from elastic.worker_group import StartError
+from elastic.worker_group import RanksUnreachable, StartError
 
 _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|Connection refused", re.I)
 PEER_LOSS_GRACE_S = 1.0
@@ -101,7 +102,7 @@ class Controller:
         self.finished_ranks: set[int] = set()
         self.waiting_since: float | None = None
         self.max_seen_step = -1
-        self.last_polls: dict[int, dict] = {}  # each rank's last reported step and phase
+        self.last_polls: dict[int, RankState] = {}  # each rank's last reported state (without records)
         self.peer_errors_since: float | None = None
         self.spares_requested = False  # warm spares: with the job's first start, after that once per generation
         self.checkpoints = CheckpointCoordinator(cfg, events, self._train_state, clock)
@@ -174,6 +175,8 @@ class Controller:
             self.group.shutdown()
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
+        if self.generation == 1:
+            self._replenish()  # the nodes without ranks; those with ranks started theirs alongside them
         self.tallies.clear()
         self.spares_requested = self.generation == 1  # else once this generation has trained a step (see replenish)
         self.peer_errors_since = None
@@ -199,24 +202,18 @@ class Controller:
         dead = [s for s in statuses if not s.alive]
         for s in statuses:
             if s.alive:
-                self._absorb(s.rank, s.poll, now)
-                self.last_polls[s.rank] = {"step": s.poll["step"], "phase": s.poll["phase"]}
+                self._absorb(s.rank, s.state, now)
+                self.last_polls[s.rank] = replace(s.state, records=[])
         self._reap_commits(wait=self.state is State.RESIZING)  # a paused job waits for its commit anyway
         if reason := self.checkpoints.overdue():
             self.failed_reason = reason
             self._transition(State.FAILED, reason=reason)
             return
         if dead:
-            ranks = [s.rank for s in dead]
-            injected = [f for f in self.faults if self.fired.get(f.id, -1) > 0 and f.rank in ranks]
-            rank = injected[-1].rank if injected else ranks[0]
-            node = self.group.node_of(rank)
-            kind = "node_died" if node is not None and not self.group.node_alive(node) else "rank_died"
-            detail = f"dead ranks {ranks}: {dead[0].error or ''}"
-            self._on_failure(Failure(kind, rank, node, rank, self.completed_step + 1, detail), now)
+            self._on_ranks_lost([s.rank for s in dead], f"dead ranks {[s.rank for s in dead]}: {dead[0].error or ''}", now)
             return
-        errors = [s for s in statuses if s.alive and s.poll.get("error")]
-        if errors and all(_PEER_LOST.search(s.poll["error"]) for s in errors):
+        errors = [s for s in statuses if s.alive and s.state.error]
+        if errors and all(_PEER_LOST.search(s.state.error) for s in errors):
             # A collective failing because a peer vanished: the peer's death is the failure, and
             # Ray reports it within moments. Blame the survivor only if no death shows up.
             self.peer_errors_since = self.peer_errors_since or now
@@ -225,7 +222,7 @@ class Controller:
         if errors:
             s = errors[0]
             self._on_failure(
-                Failure("worker_error", s.rank, self.group.node_of(s.rank), s.rank, self.completed_step + 1, s.poll["error"]), now
+                Failure("worker_error", s.rank, self.group.node_of(s.rank), s.rank, self.completed_step + 1, s.state.error), now
             )
             return
         if self.layout and len(self.finished_ranks) == self.layout.world_size:
@@ -243,22 +240,22 @@ class Controller:
         if self.state is State.RUNNING and now >= self.next_grow_check:
             self.next_grow_check = now + 1.0
             self._maybe_grow()
-        phases = {p["phase"] for p in self.last_polls.values()}
+        phases = {p.phase for p in self.last_polls.values()}
         if self.watchdog.expired(now, "save" if "save" in phases else "step"):
             self._on_hang(now)
 
-    def _absorb(self, rank: int, poll: dict, now: float) -> None:
-        if poll["generation"] != self.generation:
+    def _absorb(self, rank: int, state: RankState, now: float) -> None:
+        if state.generation != self.generation:
             return  # fenced: a stale rank's reports count for nothing
-        self.max_seen_step = max(self.max_seen_step, poll["step"])
-        for rec in poll["records"]:
+        self.max_seen_step = max(self.max_seen_step, state.step)
+        for rec in state.records:
             if rec["kind"] == "step":
                 self._on_step_record(rec, now)
             elif rec["kind"] == "saved":
                 self._on_saved(rank, rec)
             elif rec["kind"] == "ready":
                 self.watchdog.touch(now)
-        if poll["finished"]:
+        if state.finished:
             self.finished_ranks.add(rank)
 
     def _on_step_record(self, rec: dict, now: float) -> None:
@@ -282,7 +279,7 @@ class Controller:
         self.watchdog.observe_step(duration, now)
         if not self.spares_requested:
             self.spares_requested = True
-            self.group.replenish()
+            self._replenish()
         self.events.emit("step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, grad_norm=rec["grad_norm"])
         if self.open_failure is not None:
             failure = self.open_failure
@@ -326,7 +323,11 @@ class Controller:
         if target >= self.cfg.training.steps:
             return
         self.resize_target = target
-        self.group.stop_after(target)
+        try:
+            self.group.stop_after(target)
+        except RanksUnreachable as exc:  # a node lost as the resize begins: a failure like any other
+            self._on_ranks_lost(exc.ranks, str(exc), self.clock())
+            return
         self.events.emit("resize_requested", available=available, world_size=self.layout.world_size, at_step=target)
         self._transition(State.RESIZING, at_step=target)
 
@@ -398,25 +399,39 @@ class Controller:
     # -- failures ------------------------------------------------------------------------
     def _on_hang(self, now: float) -> None:
         stacks = self.group.stacks()
-        fresh = {s.rank: s.poll for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
-        polls = {**self.last_polls, **fresh}  # a rank slow to answer this round keeps its last known position
-        culprit = self._culprit(stacks, polls)
-        self.events.emit("hang_stacks", stacks={str(k): v[-4000:] for k, v in stacks.items()}, culprit=culprit)
+        fresh = {s.rank: s.state for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
+        states = {**self.last_polls, **fresh}  # a rank slow to answer this round keeps its last known position
+        culprit = self._culprit(stacks, states)
+        # The training thread first: truncation keeps it and drops the end of the other threads'.
+        self.events.emit("hang_stacks", stacks={str(k): v.text()[:4000] for k, v in stacks.items()}, culprit=culprit)
         node = self.group.node_of(culprit) if culprit is not None else None
         self._on_failure(Failure("hang", culprit, node, culprit, self.completed_step + 1, "missed progress deadline"), now)
 
     @staticmethod
-    def _culprit(stacks: dict[int, str], polls: dict[int, dict]) -> int | None:
-        """The rank furthest behind; among equals, the one not waiting in a collective."""
+    def _culprit(stacks: dict[int, StackDump], states: dict[int, RankState]) -> int | None:
+        """The rank furthest behind; among equals, the one whose training thread is not waiting in a collective."""
         from elastic.train import PHASES
 
         def behind(rank: int):
-            p = polls.get(rank, {"step": -1, "phase": "start"})
-            in_collective = bool(_COLLECTIVE_FRAMES.search(stacks.get(rank, "").split("--- thread train")[-1]))
-            return (p["step"], PHASES.index(p["phase"]) if p["phase"] in PHASES else 0, in_collective)
+            s = states.get(rank)
+            step, phase = (s.step, s.phase) if s else (-1, "start")
+            in_collective = bool(_COLLECTIVE_FRAMES.search(stacks[rank].training or ""))
+            return (step, PHASES.index(phase) if phase in PHASES else 0, in_collective)
 
         ranks = sorted(stacks)
         return min(ranks, key=behind) if ranks else None
+
+    def _on_ranks_lost(self, ranks: list[int], detail: str, now: float) -> None:
+        """Ranks dead or out of reach: a dead node if theirs is gone, else dead ranks; an injected fault's rank is the culprit."""
+        injected = [f for f in self.faults if self.fired.get(f.id, -1) > 0 and f.rank in ranks]
+        rank = injected[-1].rank if injected else ranks[0]
+        node = self.group.node_of(rank)
+        kind = "node_died" if node is not None and not self.group.node_alive(node) else "rank_died"
+        self._on_failure(Failure(kind, rank, node, rank, self.completed_step + 1, detail), now)
+
+    def _replenish(self) -> None:
+        for node, error in self.group.replenish().items():  # the job goes on: a rank lost there starts cold
+            self.events.emit("warning", kind="spare_failed", node=node, message=f"no warm spare on node {node}: {error}")
 
     def _on_failure(self, failure: Failure, now: float) -> None:
         fault = self._matching_fault()
@@ -445,8 +460,8 @@ class Controller:
     def _recover(self) -> None:
         failure = self.pending_failure
         for s in self.group.poll(self.cfg.fault.heartbeat_s):  # where the survivors got to: the work being lost
-            if s.alive and s.poll["generation"] == self.generation:
-                self.max_seen_step = max(self.max_seen_step, s.poll["step"])
+            if s.alive and s.state.generation == self.generation:
+                self.max_seen_step = max(self.max_seen_step, s.state.step)
         kept = self.group.teardown(kill_ranks=[failure.culprit] if failure.culprit is not None else [])
         self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)

@@ -2,15 +2,18 @@
 
 A rank is a plain Python process, not a Ray worker: it runs none of Ray's
 threads or timers (on a small machine, each Ray worker's wake-ups are CPU
-taken from training), and it exits as soon as its agent goes away.
+taken from training), and it never outlives its agent: the kernel kills it
+when the agent's thread that started it ends (a parent-death signal, set
+before anything else), whatever its own threads are doing; and it exits when
+the pipe closes.
 
 Three threads:
-- the main thread serves the agent's commands (`start`, `stop_after`,
-  `stacks`, `reset`) one at a time, and exits the process when the pipe
-  closes (the agent died, or its node went away);
-- the training thread (`train-g<generation>-r<rank>`, a name the
-  controller's hang diagnosis looks for) joins the generation's process
-  group and runs `elastic.train.Trainer`;
+- the main thread serves the agent's commands (`elastic.messages`: start,
+  stop after a step, dump stacks, reset) one at a time, answering each with
+  its request's id;
+- the training thread (`train-g<generation>-r<rank>`) joins the generation's
+  process group and runs `elastic.train.Trainer`; a stack dump reports it
+  apart from the other threads, for the controller's hang diagnosis;
 - the reporter pushes the rank's progress (step, phase, new records, the
   loop's end) to the agent: at once for a save, an error or the end, in
   batches of step records every `elastic.train.STEP_REPORT_S`, and at least
@@ -28,13 +31,17 @@ environment first.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+
+from elastic.messages import DumpStacks, RankState, Ready, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
 
 REPORT_EVERY_S = 1.0
 """The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
@@ -45,6 +52,7 @@ class RankRuntime:
 
     def __init__(self, send):
         self._send = send  # thread-safe: (message) -> None
+        self._commands = {Start: self.start, StopAfter: self.stop_after, DumpStacks: self.stacks, Reset: self.reset}
         self._wake = threading.Event()  # a record, the end of the loop, or a new generation: push now
         self._thread: threading.Thread | None = None
         self._control = None
@@ -56,11 +64,15 @@ class RankRuntime:
         threading.Thread(target=self._report, name="reporter", daemon=True).start()
 
     # -- commands ------------------------------------------------------------------
-    def start(self, spec_dict: dict, store_host: str, store_port: int, timeout_s: float) -> None:
+    def serve(self, command):
+        """Carry out one of the agent's commands; what it returns is the reply's value."""
+        return self._commands[type(command)](command)
+
+    def start(self, command: Start) -> None:
         """Join the generation's process group and train in a background thread."""
         from elastic.train import Control, Progress, RankSpec
 
-        spec = RankSpec(**spec_dict)
+        spec = RankSpec(**command.spec)
         with self._lock:
             self._generation = spec.generation
             self._control = Control()
@@ -68,27 +80,32 @@ class RankRuntime:
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False
         self._thread = threading.Thread(
-            target=self._main, args=(spec, store_host, store_port, timeout_s), name=f"train-g{spec.generation}-r{spec.rank}", daemon=True
+            target=self._main, args=(spec, command.store_host, command.store_port, command.timeout_s),
+            name=f"train-g{spec.generation}-r{spec.rank}", daemon=True,
         )
         self._thread.start()
         self._wake.set()
 
-    def stop_after(self, step: int) -> None:
-        """Finish `step` (counting completed steps), save, and end the loop: a planned resize loses nothing."""
+    def stop_after(self, command: StopAfter) -> None:
         if self._control is not None:
-            self._control.stop_at = step
+            self._control.stop_at = command.step
 
-    def stacks(self) -> str:
-        """The Python stack of every thread of this process, for naming the culprit of a hang."""
+    def stacks(self, _: DumpStacks) -> StackDump:
+        """The Python stack of every thread of this process, the training thread's apart."""
         frames = sys._current_frames()
-        parts = []
+        training, others = None, []
         for thread in threading.enumerate():
             frame = frames.get(thread.ident)
-            if frame is not None:
-                parts.append(f"--- thread {thread.name}\n" + "".join(traceback.format_stack(frame)))
-        return "\n".join(parts)
+            if frame is None:
+                continue
+            stack = "".join(traceback.format_stack(frame))
+            if thread is self._thread:
+                training = stack
+            else:
+                others.append(f"--- thread {thread.name}\n{stack}")
+        return StackDump(training, "\n".join(others))
 
-    def reset(self, grace_s: float) -> bool:
+    def reset(self, command: Reset) -> bool:
         """End this generation here: stop the loop, drop the process group. False if the loop is stuck."""
         import gc
 
@@ -97,7 +114,7 @@ class RankRuntime:
         if self._control is not None:
             self._control.stop.set()
         if self._thread is not None:
-            self._thread.join(grace_s)
+            self._thread.join(command.grace_s)
             if self._thread.is_alive():
                 return False
         if dist.is_initialized():
@@ -141,17 +158,17 @@ class RankRuntime:
             self._wake.set()  # the end is pushed at once
 
     # -- the reporter ---------------------------------------------------------------------
-    def _state(self) -> dict:
+    def _state(self) -> RankState:
         p = self._progress
-        return {
-            "generation": self._generation,
-            "step": p.step if p else -1,
-            "phase": p.phase if p else "idle",
-            "phase_since": p.phase_since if p else time.time(),
-            "records": p.drain() if p else [],
-            "finished": self._finished,
-            "error": self._error,
-        }
+        return RankState(
+            generation=self._generation,
+            step=p.step if p else -1,
+            phase=p.phase if p else "idle",
+            phase_since=p.phase_since if p else time.time(),
+            records=p.drain() if p else [],
+            finished=self._finished,
+            error=self._error,
+        )
 
     def _report(self) -> None:
         while True:
@@ -159,7 +176,7 @@ class RankRuntime:
             self._wake.clear()  # before draining: a record added after this wakes the next push
             with self._lock:
                 state = self._state()
-            self._send(("state", state))
+            self._send(state)
 
 
 def _serve(conn: Connection) -> None:
@@ -170,21 +187,42 @@ def _serve(conn: Connection) -> None:
             conn.send(message)
 
     runtime = RankRuntime(send)
-    send(("ready", {"pid": os.getpid()}))
+    send(Ready(os.getpid()))
     while True:
         try:
-            command, args = conn.recv()
+            request: Request = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the agent is gone: so is this rank
         try:
-            reply = (getattr(runtime, command)(*args), None)
+            reply = Reply(request.id, runtime.serve(request.command))
         except Exception:  # noqa: BLE001 - answered, so the agent is never left waiting
-            reply = (None, traceback.format_exc())
-        send(("reply", reply))
+            reply = Reply(request.id, error=traceback.format_exc())
+        send(reply)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent's spawning thread ends; exit now if that already happened.
+
+    The pipe's end-of-file reaches only a main thread that is reading it, and
+    one busy in a command (a reset waiting out its grace period) or still
+    importing torch would outlive its agent, holding its GPU. The signal
+    fires whatever the process is doing. Checked after it is set: a parent
+    that died before has already handed us to another process.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def main() -> None:
-    """`python -m elastic.rank_process FD`: serve the agent on the inherited pipe end FD."""
+    """`python -m elastic.rank_process FD PARENT_PID`: serve the agent (PARENT_PID) on the inherited pipe end FD."""
+    _die_with(int(sys.argv[2]))
     conn = Connection(int(sys.argv[1]))
     try:
         # Everything a generation needs is imported now, while the process is a spare, not on the recovery path.
@@ -194,7 +232,7 @@ def main() -> None:
 
         torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
     except BaseException:
-        conn.send(("failed", traceback.format_exc()))
+        conn.send(StartFailed(traceback.format_exc()))
         raise
     _serve(conn)
 

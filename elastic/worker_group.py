@@ -5,6 +5,11 @@ that runs them as child processes; the group talks to the agents, never to a
 rank directly. Placement fills nodes in a stable order with consecutive
 ranks, so a tensor-parallel group (consecutive ranks, `tp` innermost) stays
 on one node whenever a node's slots are a multiple of `tp`.
+
+Every call to an agent has a deadline, and no Ray error leaves this module:
+an agent that dies or does not answer while a generation starts is a
+`StartError`; while it runs (a poll, a stop), its ranks are dead or
+`RanksUnreachable`; the controller hands each to its failure policy.
 """
 
 from __future__ import annotations
@@ -13,20 +18,13 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from elastic.agent import NodeAgent
+from elastic.agent import COMMAND_TIMEOUT_S, NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
-
-
-@dataclass
-class RankStatus:
-    rank: int
-    alive: bool
-    poll: dict | None = None
-    error: str | None = None
+from elastic.messages import RankStatus, StackDump
 
 
 @dataclass
@@ -43,10 +41,27 @@ GATHER_S = 0.02
 """Once one agent's poll answers, how long a round waits for the others' before it takes what has arrived:
 a round costs two `ray.wait` calls per batch of answers instead of two per answer, and a death is seen
 at most this much later."""
+CALL_TIMEOUT_S = COMMAND_TIMEOUT_S + 10.0
+"""The deadline of an agent call that waits on its ranks only for a quick command (start, stop after a step)."""
+SPARE_TIMEOUT_S = 5.0
+"""The deadline of starting a spare (a fork, not waited for): the controller's loop waits for it."""
 
 
 class StartError(RuntimeError):
     """Workers could not be started; the message carries the rank process's own error."""
+
+
+class RanksUnreachable(RuntimeError):
+    """A call to running ranks failed: their node's agent died, raised, or missed its deadline."""
+
+    def __init__(self, ranks: list[int], why: str):
+        super().__init__(f"ranks {ranks}: {why}")
+        self.ranks = ranks
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 @dataclass
@@ -98,10 +113,10 @@ class RayWorkerGroup:
     def start(self, layout: Layout, specs: list[dict], *, with_spares: bool = False) -> None:
         """Place the ranks node by node, have each node's agent bring up its rank processes, then start training.
 
-        `with_spares` also starts the warm spares (`replenish`) alongside the
-        ranks, so that their start-up overlaps the ranks' own instead of
-        taking CPU from training later (the job's first start, which no
-        failure is waiting on).
+        `with_spares` also starts the warm spare of each node that gets ranks
+        alongside them, so that its start-up overlaps the ranks' own instead
+        of taking CPU from training later (the job's first start, which no
+        failure is waiting on; `replenish` then covers the other nodes).
         """
         nodes = self.node_slots()
         placement: list[str] = []
@@ -117,23 +132,22 @@ class RayWorkerGroup:
         keep_idle = 1 if self._spares_wanted() else 0  # warm processes this layout has no slot for: one per node stays
         timeout = self.cfg.fault.startup_timeout_s
         agents = {node_id: self._agent(node_id, slots) for node_id, slots in nodes if node_id in by_node or node_id in self.agents}
-        try:  # a rank process that cannot start (import error, no such device) fails here with its own error
-            ray.get(
-                [a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()],
-                timeout=timeout + 10,
-            )
-        except GetTimeoutError:
-            raise StartError(f"workers did not start within fault.startup_timeout_s={timeout}s") from None
-        except (RayActorError, RayTaskError) as exc:  # the controller shuts the group down (every agent) and retries
-            raise StartError(f"a worker failed to start: {exc}") from None
-        if with_spares:
-            self.replenish()  # nodes without ranks get theirs too
+        # A rank process that cannot start (import error, no such device) fails here with its own error; the
+        # controller then shuts the group down (every agent) and asks its failure policy.
+        _, failed = self._gather(
+            {n: a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()},
+            timeout + 10,
+        )
+        if failed:
+            raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {failed}")
         store_timeout = max(60.0, timeout)
-        pids = ray.get([
-            agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
+        pids, failed = self._gather({
+            n: agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
             for n, ms in by_node.items()
-        ])
-        for node_pids in pids:
+        }, CALL_TIMEOUT_S)
+        if failed:  # an agent that died between prepare and start (its node went), or a rank process that did
+            raise StartError(f"workers could not be given their ranks: {failed}")
+        for node_pids in pids.values():
             for m in self.members:
                 m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown
 
@@ -173,28 +187,40 @@ class RayWorkerGroup:
     @staticmethod
     def _statuses(members: list[Member], ref) -> list[RankStatus]:
         try:
-            answers = ray.get(ref)
-        except RayActorError as exc:  # the agent is gone, and every rank on its node with it
-            error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return [RankStatus(m.rank, False, error=error) for m in members]
-        return [
-            RankStatus(m.rank, True, a["poll"]) if a["alive"] else RankStatus(m.rank, False, error=a["error"])
-            for m in members if (a := answers.get(m.rank)) is not None
-        ]
+            answers = {s.rank: s for s in ray.get(ref)}  # ready: returns at once
+        except RayError as exc:  # the agent is gone, and every rank on its node with it (or its poll failed: the same to us)
+            return [RankStatus(m.rank, False, error=_one_line(exc)) for m in members]
+        return [answers[m.rank] for m in members if m.rank in answers]
+
+    @staticmethod
+    def _gather(refs: dict[str, object], timeout_s: float) -> tuple[dict[str, object], dict[str, str]]:
+        """Each node's answer to a call, and why a node gave none (its agent died, the call raised, or missed `timeout_s`)."""
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+        answers, failed = {}, {}
+        for node_id, ref in refs.items():
+            if ref not in ready:
+                failed[node_id] = f"no answer within {timeout_s}s"
+                continue
+            try:
+                answers[node_id] = ray.get(ref)
+            except RayTaskError as exc:  # the agent raised: its message is the rank process's own error
+                failed[node_id] = str(exc)
+            except RayError as exc:
+                failed[node_id] = _one_line(exc)
+        return answers, failed
 
     def stop_after(self, step: int) -> None:
-        ray.get([self.agents[n].stop_after.remote(step) for n in self._by_node()])
-
-    def stacks(self, timeout_s: float = 5.0) -> dict[int, str]:
+        """Have every rank stop after `step`; raises RanksUnreachable naming the ranks that may not have."""
         by_node = self._by_node()
-        refs = {n: self.agents[n].stacks.remote(timeout_s) for n in by_node}
-        out = {}
-        for node_id, ref in refs.items():
-            try:
-                out.update(ray.get(ref, timeout=timeout_s + 1))
-            except Exception as exc:  # noqa: BLE001 - a node that cannot answer is reported as such
-                out.update({m.rank: f"<no stack: {type(exc).__name__}>" for m in by_node[node_id]})
-        return {m.rank: out.get(m.rank, "<no stack: no answer>") for m in self.members}
+        answers, failed = self._gather({n: self.agents[n].stop_after.remote(step) for n in by_node}, CALL_TIMEOUT_S)
+        ranks = sorted([r for refused in answers.values() for r in refused] + [m.rank for n in failed for m in by_node[n]])
+        if ranks:
+            raise RanksUnreachable(ranks, f"could not be told to stop after step {step}: {failed or 'no answer from the rank'}")
+
+    def stacks(self, timeout_s: float = 5.0) -> dict[int, StackDump]:
+        answers, failed = self._gather({n: self.agents[n].stacks.remote(timeout_s) for n in self._by_node()}, timeout_s + 1)
+        out = {rank: dump for dumps in answers.values() for rank, dump in dumps.items()}
+        return {m.rank: out.get(m.rank) or StackDump.missing(failed.get(m.node_id, "no answer")) for m in self.members}
 
     def node_of(self, rank: int) -> str | None:
         return self.members[rank].node_id if rank < len(self.members) else None
@@ -206,17 +232,19 @@ class RayWorkerGroup:
         """A GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
         return self.cfg.scaling.gpus_per_worker == 0
 
-    def replenish(self) -> None:
+    def replenish(self) -> dict[str, str]:
         """Have one warm spare rank process on every usable node that has none (torch and the training code imported).
 
         A rank that dies is then replaced by a process that is already up: the
         next generation starts without paying a cold start. After a failure it
         is called once the new generation is training, so the spares'
-        start-up never delays a restart.
+        start-up never delays a restart. Waits for the forks, not for the
+        imports; returns why a node has no spare ({} when all have one).
         """
-        if self._spares_wanted():
-            for node_id, slots in self.node_slots():
-                self._agent(node_id, slots).spare.remote()
+        if not self._spares_wanted():
+            return {}
+        _, failed = self._gather({n: self._agent(n, slots).spare.remote() for n, slots in self.node_slots()}, SPARE_TIMEOUT_S)
+        return failed
 
     def teardown(self, kill_ranks=(), grace_s: float = 0.5) -> int:
         """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.
@@ -228,20 +256,13 @@ class RayWorkerGroup:
         """
         refs = {n: self.agents[n].teardown.remote([m.rank for m in ms if m.rank in set(kill_ranks)], grace_s)
                 for n, ms in self._by_node().items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + 2.0) if refs else ([], [])
-        kept = 0
-        for node_id, ref in refs.items():
-            try:
-                kept += ray.get(ref) if ref in ready else 0
-                gone = ref not in ready  # an agent that cannot end its generation in time goes, with its ranks
-            except RayActorError:  # dead (its node went, or it was killed): the next start makes a new one
-                gone = True
-            except RayTaskError:
-                gone = False
-            if gone:
-                self._kill(self.agents.pop(node_id))
+        answers, failed = self._gather(refs, grace_s + 2.0)
+        # An agent that died (its node went, or it was killed) or cannot end its generation in time goes, with
+        # its ranks: the next start makes a new one.
+        for node_id in failed:
+            self._kill(self.agents.pop(node_id))
         self.members, self._pending = [], {}
-        return kept
+        return sum(answers.values())
 
     def shutdown(self) -> None:
         """Kill every rank process, warm ones included, and the agents (the end of the job)."""

@@ -1,10 +1,20 @@
-"""The node agent (elastic.agent): its ranks are plain processes, and they go when the agent goes."""
+"""The node agent (elastic.agent) and the worker group's calls to it, on a one-node embedded Ray.
+
+Rank processes are plain processes that go when their agent goes; the
+agent's state survives concurrent calls; a late answer from a rank is never
+taken for the next command's; and a call to an agent that died fails as a
+`StartError` or `RanksUnreachable`, never as a raw Ray error.
+"""
 
 import os
+import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
 
 
 def _gone(pid: int) -> bool:
@@ -14,19 +24,89 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
-def test_rank_processes_run_no_ray_code_and_die_with_their_agent():
+def _wait_gone(pids, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return all(_gone(pid) for pid in pids)
+
+
+def _rank_processes_of(parent: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_text()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z" and "elastic.rank_process" in cmdline:
+            out.append(int(stat.parent.name))
+    return out
+
+
+RAY_CLEANUP_OFF = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0"}
+"""Ray's raylet kills a dead worker's children on its own; with that off, these tests see what the agent and
+its ranks guarantee by themselves (the raylet can die with its node, and a job may run where it is disabled)."""
+
+
+@pytest.fixture(scope="module")
+def ray_node():
+    """One node with two worker slots on the head; each test kills the agents it makes, freeing the slots."""
+    from elastic.cluster import EmbeddedCluster
+
+    saved = {k: os.environ.get(k) for k in RAY_CLEANUP_OFF}
+    os.environ.update(RAY_CLEANUP_OFF)  # read by the raylet when it starts
+    try:
+        cluster = EmbeddedCluster(1, 2, workers_on_head=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture
+def store():
+    """A rendezvous store that the stuck ranks below wait in."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def _stuck_specs(n: int, generation: int = 1) -> list[dict]:
+    """Specs for `n` ranks of a world of n+1: their training threads wait in the rendezvous for a rank that never comes."""
+    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": n + 1, "tp": 1}
+    return [{"config": {}, "layout": layout, "rank": r, "generation": generation} for r in range(n)]
+
+
+def _agent(slots: int = 2):
     import ray
 
     from elastic.agent import NodeAgent
-    from elastic.cluster import EmbeddedCluster
 
-    cluster = EmbeddedCluster(1, 2, workers_on_head=True)
-    pids: list[int] = []
+    agent = NodeAgent.options(num_cpus=slots).remote(1.0, 0.0)
+    return agent, ray.get(agent.info.remote())["pid"]
+
+
+def _kill_and_reap(agent, pids) -> None:
+    import ray
+
+    ray.kill(agent, no_restart=True)
+    _wait_gone(pids, 10)
+    for pid in pids:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_rank_processes_run_no_ray_code_and_die_with_their_agent(ray_node):
+    import ray
+
+    agent, agent_pid = _agent()
+    pids = ray.get(agent.prepare.remote(2, 0, 120.0))
     try:
-        agent = NodeAgent.options(num_cpus=2).remote(1.0, 0.0)
-        agent_pid = ray.get(agent.info.remote())["pid"]
-        pids += ray.get(agent.prepare.remote(2, 0, 120.0))
         assert len(set(pids)) == 2
         for pid in pids:
             assert "elastic.rank_process" in Path(f"/proc/{pid}/cmdline").read_text()
@@ -36,12 +116,125 @@ def test_rank_processes_run_no_ray_code_and_die_with_their_agent():
         # Asked again, the agent reuses its warm processes.
         assert sorted(ray.get(agent.prepare.remote(2, 0, 120.0))) == sorted(pids)
         ray.kill(agent, no_restart=True)
-        deadline = time.monotonic() + 10
-        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_gone(pid) for pid in pids), "rank processes outlived their agent"
+        assert _wait_gone(pids, 10), "rank processes outlived their agent"
     finally:
-        cluster.shutdown()
-        for pid in pids:
-            if not _gone(pid):
-                os.kill(pid, 9)
+        _kill_and_reap(agent, pids)
+
+
+def test_rank_whose_main_thread_is_busy_dies_with_its_agent(ray_node, store):
+    # The rank's main thread is in a long `reset` (joining a training thread stuck in the rendezvous), so it
+    # reads no pipe EOF: only the parent-death signal ends it when the agent is SIGKILLed.
+    import ray
+
+    agent, agent_pid = _agent()
+    pids = ray.get(agent.prepare.remote(1, 0, 120.0))
+    try:
+        ray.get(agent.start.remote([(0, _stuck_specs(1)[0])], "127.0.0.1", store.port, 60.0))
+        agent.teardown.remote([], 60.0)  # not waited for: the rank now waits up to 60 s for its loop
+        time.sleep(0.5)
+        os.kill(agent_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert _wait_gone(pids, 3), "a rank outlived its SIGKILLed agent"
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        _kill_and_reap(agent, pids)
+
+
+def test_late_stacks_answer_is_not_taken_for_the_next_command(ray_node, store):
+    # A dump that misses its deadline answers later; the reset that follows must get its own answer
+    # (False: the loop is stuck), not the late dump, or a stuck process would be kept warm.
+    import ray
+
+    agent, _ = _agent()
+    pids = ray.get(agent.prepare.remote(1, 0, 120.0))
+    try:
+        ray.get(agent.start.remote([(0, _stuck_specs(1)[0])], "127.0.0.1", store.port, 60.0))
+        ray.get(agent.stacks.remote(0.0))  # no answer within 0 s: it arrives just after
+        time.sleep(0.3)
+        assert ray.get(agent.teardown.remote([], 0.3)) == 0, "a stuck rank was kept warm"
+        assert _wait_gone(pids, 5)
+    finally:
+        _kill_and_reap(agent, pids)
+
+
+def test_stacks_carry_the_training_thread_apart(ray_node, store):
+    import ray
+
+    agent, _ = _agent()
+    pids = ray.get(agent.prepare.remote(1, 0, 120.0))
+    try:
+        ray.get(agent.start.remote([(0, _stuck_specs(1)[0])], "127.0.0.1", store.port, 60.0))
+        time.sleep(0.3)
+        (dump,) = ray.get(agent.stacks.remote(5.0)).values()
+        assert "init_process_group" in dump.training  # where the training thread waits
+        assert "init_process_group" not in dump.others and "reporter" in dump.others
+        assert dump.text().startswith("--- training thread")
+    finally:
+        _kill_and_reap(agent, pids)
+
+
+def test_concurrent_spare_calls_start_one_process(ray_node):
+    import ray
+
+    agent, agent_pid = _agent()
+    try:
+        ray.get([agent.spare.remote() for _ in range(8)])  # the actor runs them on up to 8 threads at once
+        assert len(_rank_processes_of(agent_pid)) == 1
+    finally:
+        _kill_and_reap(agent, _rank_processes_of(agent_pid))
+
+
+# -- the worker group ----------------------------------------------------------------------
+
+
+def _group(store, group_class=None):
+    from elastic.config import load_config
+    from elastic.worker_group import RayWorkerGroup
+
+    sets = {"scaling.num_workers": 2, "scaling.min_workers": 1, "scaling.workers_per_node": 2, "fault.inject": "[]",
+            "fault.startup_timeout_s": 120}
+    cfg = load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])
+    return (group_class or RayWorkerGroup)(cfg, "127.0.0.1", store.port)
+
+
+def test_agent_lost_between_prepare_and_start_is_a_start_error(ray_node, store):
+    from agent_faults import KilledBeforeStart
+    from elastic.layout import Layout
+    from elastic.worker_group import RayWorkerGroup, StartError
+
+    class Group(RayWorkerGroup):
+        def _agent(self, node_id, slots):
+            return KilledBeforeStart(super()._agent(node_id, slots))
+
+    group = _group(store, Group)
+    try:
+        with pytest.raises(StartError, match="given their ranks.*ActorDiedError"):
+            group.start(Layout(dp_shard=2), _stuck_specs(2))
+    finally:
+        group.shutdown()
+
+
+def test_calls_to_a_dead_agent_fail_as_unreachable_ranks_not_ray_errors(ray_node, store):
+    import ray
+
+    from agent_faults import kill_and_wait_dead
+    from elastic.layout import Layout
+    from elastic.worker_group import RanksUnreachable
+
+    group = _group(store)
+    try:
+        group.start(Layout(dp_shard=2), _stuck_specs(2))
+        (agent,) = group.agents.values()
+        agent_pid = ray.get(agent.info.remote())["pid"]
+        assert group.replenish() == {}  # waited for: the spare is there when it returns
+        assert len(_rank_processes_of(agent_pid)) == 3
+        kill_and_wait_dead(agent)
+        with pytest.raises(RanksUnreachable) as lost:
+            group.stop_after(5)
+        assert lost.value.ranks == [0, 1]
+        (error,) = group.replenish().values()  # reported, not lost
+        assert "died" in error.lower() or "dead" in error.lower()
+        assert [s.alive for s in group.poll(1.0)] == [False, False]
+        assert group.teardown() == 0 and not group.agents
+    finally:
+        group.shutdown()

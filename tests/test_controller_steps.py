@@ -15,7 +15,8 @@ from elastic.config import load_config
 from elastic.controller import Controller, State
 from elastic.data import GlobalSampler
 from elastic.events import EventLog
-from elastic.worker_group import RankStatus
+from elastic.messages import RankState, RankStatus, StackDump
+from elastic.worker_group import RanksUnreachable
 
 
 class ScriptedGroup:
@@ -29,6 +30,8 @@ class ScriptedGroup:
         self.layout = None
         self.starts: list[tuple[int, int | None]] = []
         self.stop_at: int | None = None
+        self.unreachable_at_stop: list[int] = []  # ranks whose node cannot be told to stop (lost as a resize begins)
+        self.spare_errors: dict[str, str] = {}  # nodes whose agent cannot start a spare, and why
 
     # the RayWorkerGroup surface the controller uses
     def capacity(self) -> int:
@@ -41,10 +44,12 @@ class ScriptedGroup:
         self.stop_at = None
 
     def stop_after(self, step: int) -> None:
+        if self.unreachable_at_stop:
+            raise RanksUnreachable(self.unreachable_at_stop, "ActorDiedError: the actor died unexpectedly")
         self.stop_at = step
 
-    def replenish(self) -> None:
-        pass
+    def replenish(self) -> dict[str, str]:
+        return dict(self.spare_errors)
 
     def node_of(self, rank: int) -> str:
         return f"node{rank // 2}"
@@ -52,8 +57,10 @@ class ScriptedGroup:
     def node_alive(self, node: str) -> bool:
         return True
 
-    def stacks(self) -> dict[int, str]:
-        return {r: ("--- thread train\n  dist.all_reduce(...)" if r != 1 else "--- thread train\n  next(loader)") for r in range(self.layout.world_size)}
+    def stacks(self) -> dict[int, StackDump]:
+        # Every rank's reporter thread is in a pipe send; only the training threads tell the culprit apart.
+        others = "--- thread reporter\n  conn.send(state)"
+        return {r: StackDump("  dist.all_reduce(...)" if r != 1 else "  next(loader)", others) for r in range(self.layout.world_size)}
 
     def teardown(self, kill_ranks=(), grace_s: float = 1.0) -> int:
         self.killed = list(kill_ranks)
@@ -65,14 +72,17 @@ class ScriptedGroup:
     def poll(self, timeout_s: float) -> list[RankStatus]:
         world, step = self.layout.world_size, self.step
         phase = "data" if self.hang_at == step else "forward_backward"
-        base = {"generation": self.gen, "step": step, "phase": phase, "phase_s": 0.0, "error": None}
+        base = RankState(self.gen, step, phase, 0.0)
         if step in self.kill_rank_at:
             dead = self.kill_rank_at.pop(step)
-            return [RankStatus(r, r != dead, {**base, "records": [], "finished": False} if r != dead else None, "died") for r in range(world)]
+            return [RankStatus(r, True, base) if r != dead else RankStatus(r, False, error="died") for r in range(world)]
         if self.hang_at == step or step >= self.cfg.training.steps or (self.stop_at is not None and step >= self.stop_at):
             # hung, done or paused: no new records
             finished = step >= self.cfg.training.steps
-            return [RankStatus(r, True, {**base, "step": step - 1 if step else 0, "phase": "forward_backward" if r != 1 else phase, "records": [], "finished": finished}) for r in range(world)]
+            return [
+                RankStatus(r, True, RankState(self.gen, step - 1 if step else 0, "forward_backward" if r != 1 else phase, 0.0, finished=finished))
+                for r in range(world)
+            ]
         out = []
         done = step + 1
         for r in range(world):
@@ -83,7 +93,7 @@ class ScriptedGroup:
             if done % self.cfg.checkpoint.every_steps == 0 or done == self.cfg.training.steps or done == self.stop_at:
                 rows = storage.write_shards(self.cfg.checkpoint.uri, done, r, {f"model.r{r}": torch.full((3,), float(done))})
                 records.append({"kind": "saved", "step": done, "rows": rows, "save_s": 0.01})
-            out.append(RankStatus(r, True, {**base, "records": records, "finished": done >= self.cfg.training.steps}))
+            out.append(RankStatus(r, True, RankState(self.gen, step, phase, 0.0, records, finished=done >= self.cfg.training.steps)))
         self.step = done
         return out
 
@@ -132,6 +142,14 @@ def test_happy_path_one_transition_at_a_time(tmp_path):
     _ledger_clean(ctrl)
 
 
+def test_a_node_without_a_spare_is_a_warning_not_a_failure(tmp_path):
+    ctrl, group, _ = _setup(tmp_path)
+    group.spare_errors = {"node1": "no answer within 5.0s"}
+    assert _run(ctrl)[-1] is State.FINISHED and not ctrl.failures
+    (warning,) = ctrl.events.of("warning")  # once: spares are asked for once per generation
+    assert warning["kind"] == "spare_failed" and warning["node"] == "node1" and "no answer" in warning["message"]
+
+
 def test_dead_rank_recovers_from_last_commit(tmp_path):
     ctrl, group, _ = _setup(tmp_path)
     group.kill_rank_at[6] = 2
@@ -167,7 +185,8 @@ def test_hang_names_the_culprit(tmp_path):
     assert ctrl.step() is State.RECOVERING
     failure = ctrl.failures[-1]
     assert failure["detected_as"] == "hang" and failure["culprit"] == 1
-    assert ctrl.events.of("hang_stacks")[0]["culprit"] == 1
+    (event,) = ctrl.events.of("hang_stacks")
+    assert event["culprit"] == 1 and event["stacks"]["1"].startswith("--- training thread\n  next(loader)")
     group.hang_at = None
     assert _run(ctrl)[-1] is State.FINISHED
     _ledger_clean(ctrl)
@@ -222,4 +241,22 @@ def test_no_grow_while_hung(tmp_path):
     group.hang_at = None
     assert _run(ctrl)[-1] is State.FINISHED
     assert [w for w, _ in group.starts] == [2, 4]  # the recovery picks up the returned workers
+    _ledger_clean(ctrl)
+
+
+def test_node_lost_as_a_resize_begins_is_a_failure_the_policy_decides(tmp_path):
+    ctrl, group, _ = _setup(tmp_path, capacity=2, **{"training.steps": 16})
+    while ctrl.completed_step < 5:
+        ctrl.step()
+    group.cap = 4
+    group.unreachable_at_stop = [0, 1]
+    states = []
+    while State.RECOVERING not in states:
+        ctrl.next_grow_check = 0.0
+        states.append(ctrl.step())
+    assert State.RESIZING not in states and not ctrl.events.of("resize_requested")
+    (failure,) = ctrl.failures
+    assert failure["detected_as"] == "rank_died" and failure["rank"] == 0 and "ActorDiedError" in ctrl.events.of("failure_detected")[0]["detail"]
+    group.unreachable_at_stop = []
+    assert _run(ctrl)[-1] is State.FINISHED
     _ledger_clean(ctrl)

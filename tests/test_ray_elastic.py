@@ -81,3 +81,29 @@ def test_one_node_runs_on_the_head_unless_nodes_are_removed():
             assert sum(n["Resources"].get("CPU", 0.0) for n in alive) == 2.0
         finally:
             cluster.shutdown()
+
+
+def test_node_agent_lost_between_prepare_and_start_is_retried(tmp_path, monkeypatch):
+    # The agent dies after its rank processes came up, before they get their ranks (its node going away at
+    # that moment): a start failure for the failure policy, not an exception out of the controller.
+    import elastic.job
+    from agent_faults import KilledBeforeStart
+    from elastic.worker_group import RayWorkerGroup
+
+    class LosesItsFirstAgent(RayWorkerGroup):
+        lost = 0
+
+        def _agent(self, node_id, slots):
+            agent = super()._agent(node_id, slots)
+            if LosesItsFirstAgent.lost:
+                return agent
+            LosesItsFirstAgent.lost += 1
+            return KilledBeforeStart(agent)
+
+    monkeypatch.setattr(elastic.job, "RayWorkerGroup", LosesItsFirstAgent)
+    sets = {"training.steps": 4, "scaling.num_workers": 2, "scaling.workers_per_node": 2, "training.micro_batch": 8}
+    report = run_job(_cfg(tmp_path, "lost", **sets), quiet=True)
+    assert report["state"] == "FINISHED" and report["steps_completed"] == 4
+    (failure,) = report["failures"]
+    assert failure["detected_as"] == "start_failed" and "ActorDiedError" in failure["error"]
+    _clean_ledger(report)

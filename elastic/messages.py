@@ -1,0 +1,134 @@
+"""The messages between a rank process, its node's agent and the controller.
+
+Agent → rank, over the pipe between them: a `Request` carries one command
+(`Start`, `StopAfter`, `DumpStacks`, `Reset`) and an id; the rank answers
+each with a `Reply` of the same id. The agent has at most one command out per
+rank and drops a reply whose id is not the one it waits for, so an answer
+that comes after its deadline is never taken for the next command's.
+
+Rank → agent, unasked: `Ready` once it has imported what a generation needs
+(or `StartFailed`), and its `RankState` whenever it has news.
+
+Agent → controller: a `RankStatus` per rank from each poll.
+
+The records inside a `RankState` stay the dicts that `elastic.train.Progress`
+records ("step", "saved", "ready", "paused"): the controller and the
+checkpoint commit read them by kind, and typing each kind would reach far
+into the training loop for no gain at the boundary.
+
+Nothing here imports torch or Ray: a rank process reads this module before it
+imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -- agent -> rank -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """Join the generation's process group and train; `spec` holds `elastic.train.RankSpec`'s fields."""
+
+    spec: dict
+    store_host: str
+    store_port: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class StopAfter:
+    """Finish `step` (counting completed steps), save, and end the loop: a planned resize loses nothing."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class DumpStacks:
+    """Answer with a `StackDump` of every thread."""
+
+
+@dataclass(frozen=True)
+class Reset:
+    """End the generation: stop the loop and drop the process group; answer False if the loop is still stuck after `grace_s`."""
+
+    grace_s: float
+
+
+Command = Start | StopAfter | DumpStacks | Reset
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    command: Command
+
+
+# -- rank -> agent ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to the request `id`: `value` (None for Start and StopAfter, a StackDump, a bool for Reset) or the error it raised."""
+
+    id: int
+    value: object = None
+    error: str | None = None  # the command raised: its traceback
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The process has imported torch and the training code: it can take a generation."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """The process could not import what a generation needs; it exits after this."""
+
+    error: str  # the traceback
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """Where a rank's threads are: its training thread apart from the others, for naming the culprit of a hang."""
+
+    training: str | None  # the training thread's stack; None when no generation is running, or no answer came
+    others: str = ""  # every other thread's stack, each under a '--- thread NAME' line
+
+    @classmethod
+    def missing(cls, why: str) -> StackDump:
+        return cls(None, f"<no stack: {why}>")
+
+    def text(self) -> str:
+        """For a human: the training thread first."""
+        training = f"--- training thread\n{self.training}" if self.training is not None else "--- no training thread"
+        return f"{training}\n{self.others}" if self.others else training
+
+
+@dataclass
+class RankState:
+    """What a rank pushes about its current generation; a poll hands it on with the records since the last poll."""
+
+    generation: int  # -1: idle, between generations
+    step: int  # the step it is in (-1 before the first)
+    phase: str  # one of elastic.train.PHASES, or "idle"
+    phase_since: float  # wall-clock time it entered `phase`
+    records: list[dict] = field(default_factory=list)  # Progress records, oldest first
+    finished: bool = False  # the loop trained to the last step
+    error: str | None = None  # the loop ended with this traceback
+
+
+# -- agent -> controller -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank, as a poll found it: alive with its state, or dead and why."""
+
+    rank: int
+    alive: bool
+    state: RankState | None = None  # alive: its latest state, records since the last poll
+    error: str | None = None  # dead: how its process (or its node's agent) ended
