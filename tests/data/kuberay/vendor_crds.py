@@ -8,12 +8,14 @@ the manifests set. So this keeps exactly that: the `v1` openAPIV3Schema of
 `ray.io_rayjobs.yaml` and `ray.io_rayclusters.yaml` of each tag, with the
 schema of every field no manifest sets replaced by a stub
 (`{"x-pruned": true}`), which the test rejects with a message that says to
-run this again. Nothing else is changed: the closing of objects
-(`additionalProperties: false`) is the test's job, so this file stays a
-faithful, smaller copy of the source.
+run this again. Large subschemas that repeat (the Pod schema of head,
+workers and submitter, in every release) are stored once and referenced
+with `$ref`. Nothing else is changed: closing the objects
+(`additionalProperties: false`) is the test's job, so crd_schemas.json stays
+a faithful, smaller copy of the source.
 
 Run it from the repository root after changing a manifest or adding a
-KubeRay version, with a clone of https://github.com/ray-project/kuberay:
+KubeRay version, with a clone of https://github.com/ray-project/kuberay (its tags):
 
     python tests/data/kuberay/vendor_crds.py /path/to/kuberay
 """
