@@ -28,8 +28,8 @@ test-slow: $(STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest -q --timeout 3600 -m chaos
 
-# All three benchmarks, one after the other (~40 min).
-bench: bench-strategies bench-checkpoint bench-recovery
+# Every benchmark, one after the other (their times below; bench/README.md). A new bench-* target goes here too.
+bench: bench-strategies bench-checkpoint bench-recovery bench-s3
 
 # Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~5 min): bench/results/recovery.json
 bench-recovery: $(STAMP)
@@ -39,7 +39,7 @@ bench-recovery: $(STAMP)
 bench-strategies: $(STAMP)
 	$(PY) bench/strategies.py --rounds 6 --steps 60
 
-# Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~5 min): bench/results/checkpoint.json
+# Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)
 	$(PY) bench/checkpoint.py
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastic.cli import main as cli_main
 from elastic.config import JobConfig, load_config
 from strategies.planner import Hardware, choose_layout
 
@@ -122,6 +123,33 @@ def test_gpu_example_layouts_fit_8_gpu_nodes_at_full_and_minimum_size(name: str)
             assert layout.dp_shard == cfg.parallel.dp_shard, reason
 
 
+# The planner's step times are estimates (no overlap of communication and compute, no
+# kernel efficiency): layouts closer than this are a tie, and their rank means nothing.
+PLANNER_TIE = 1.05
+
+
+def _planned(name: str, gpus: int, capsys: pytest.CaptureFixture) -> list[dict]:
+    """Every layout `elastic plan --config deploy/examples/NAME --gpus N --json` ranks, best first."""
+    capsys.readouterr()
+    assert cli_main(["plan", "--config", str(DEPLOY / "examples" / name), "--gpus", str(gpus), "--json", "--top", "1000"]) == 0
+    return json.loads(capsys.readouterr().out)["layouts"]
+
+
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
+def test_gpu_example_layout_is_one_the_planner_would_choose(name: str, capsys: pytest.CaptureFixture) -> None:
+    """What the example runs, at its full size and after shrinking to min_workers, is within PLANNER_TIE of
+    the best layout `elastic plan --config` finds for it (the examples' headers say so)."""
+    cfg = load_config(DEPLOY / "examples" / name)
+    for world in (cfg.scaling.num_workers, cfg.scaling.min_workers):
+        layout, _ = choose_layout(world, cfg, hardware=Hardware(gpus=world, gpus_per_node=8, gpu_mem_bytes=80e9))
+        entries = [e for e in _planned(name, world, capsys) if e["fits"]]
+        (ours,) = [e for e in entries if e["layout"] == layout.as_dict()]
+        best = entries[0]
+        assert ours["step_s"] <= PLANNER_TIE * best["step_s"], (
+            f"{name} runs {layout} on {world} GPUs, estimated {ours['step_s']:.3g} s a step; `elastic plan --config` "
+            f"ranks it {entries.index(ours) + 1} of {len(entries)}, its best {best['layout']} takes {best['step_s']:.3g} s")
+
+
 # --------------------------------------------------------------------------- KubeRay
 def test_kuberay_has_a_rayjob_and_a_raycluster() -> None:
     assert _kuberay("RayJob") and _kuberay("RayCluster")
@@ -195,6 +223,117 @@ def test_raycluster_fits_the_jobs_it_is_sized_for(path: Path, cluster: dict) -> 
             per_pod = _check_node_fits_job(f"{path.name}:{group_name} for {job}", cpus, gpus, cfg)
             capacity += group["maxReplicas"] * per_pod
         assert capacity >= cfg.scaling.upper, f"{path.name}: room for {capacity} workers, {job} grows to {cfg.scaling.upper}"
+
+
+# --------------------------------------------------------------------------- KubeRay CRD schemas
+# The CRDs' v1 schemas of every KubeRay release from 1.1.0 to 1.7.0, cut down to what
+# the manifests use (tests/data/kuberay/vendor_crds.py says how and from where).
+CRD_DATA = json.loads((ROOT / "tests" / "data" / "kuberay" / "crd_schemas.json").read_text())
+CHECKED_TAGS = list(CRD_DATA["versions"])
+# Root metadata is not in the CRD schema: the API server validates ObjectMeta itself.
+# These are the fields a manifest writes; anything else there is a mistake here.
+_OBJECT_META = {
+    "type": "object", "additionalProperties": False, "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "namespace": {"type": "string"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+
+
+def _closed(schema: dict) -> dict:
+    """A CRD schema as Kubernetes applies it: an object's unknown fields are an error, not silently pruned.
+
+    Kubernetes drops every field a structural schema does not list, unless the
+    object says `x-kubernetes-preserve-unknown-fields` (no KubeRay CRD does) or
+    is a map (`additionalProperties`). A field the vendoring cut out
+    (`x-pruned`) fails too, so that a manifest cannot use a field whose schema
+    this test does not hold.
+    """
+    if schema.get("x-pruned"):
+        return {"not": {}, "x-pruned": True}
+    out = dict(schema)
+    if "properties" in schema:
+        out["properties"] = {name: _closed(sub) for name, sub in schema["properties"].items()}
+    for keyword in ("items", "additionalProperties"):
+        if isinstance(schema.get(keyword), dict):
+            out[keyword] = _closed(schema[keyword])
+    for keyword in ("anyOf", "allOf", "oneOf"):
+        if keyword in schema:
+            out[keyword] = [_closed(sub) for sub in schema[keyword]]
+    if schema.get("type") == "object" and "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+_CLOSED_DEFS = {key: _closed(sub) for key, sub in CRD_DATA["$defs"].items()}
+
+
+def _crd_problems(manifest: dict, tag: str) -> list[str]:
+    """What the API server of KubeRay `tag` would reject or silently drop in `manifest`, one line each."""
+    import jsonschema
+
+    root = dict(_CLOSED_DEFS[CRD_DATA["versions"][tag][manifest["kind"]].rsplit("/", 1)[1]])
+    root["properties"] = {**root["properties"], "metadata": _OBJECT_META}
+    validator = jsonschema.Draft7Validator({**root, "$defs": _CLOSED_DEFS})
+    problems = []
+    for error in validator.iter_errors(manifest):
+        if error.schema.get("x-pruned"):
+            problems.append(f"{error.json_path}: set in the manifest but cut from tests/data/kuberay/crd_schemas.json; "
+                            "run tests/data/kuberay/vendor_crds.py")
+        else:
+            problems.append(f"{error.json_path}: {error.message}")
+    return problems
+
+
+def _version(tag: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in tag.lstrip("v").split("."))
+
+
+_KUBERAY_MANIFESTS = _kuberay("RayJob") + _kuberay("RayCluster")
+
+
+@pytest.mark.parametrize("path, manifest", _KUBERAY_MANIFESTS, ids=lambda v: v.name if isinstance(v, Path) else "")
+def test_kuberay_manifest_fits_the_crds_of_the_versions_it_claims(path: Path, manifest: dict) -> None:
+    """The header's `KubeRay >= X` and `checked against ... A to B` are exactly what the CRD schemas say.
+
+    Every checked release from X on accepts the manifest as it is (no unknown
+    field, every type right), the release before X does not (so X is not too
+    high either), and A..B is the range this test checks.
+    """
+    header = path.read_text().split("\napiVersion:")[0]
+    claim = re.search(r"KubeRay >= (\d+\.\d+)", header)
+    checked = re.search(r"CRDs of KubeRay (\S+) to (\S+) \(tests/test_deploy_manifests.py\)", header)
+    assert claim and checked, f"{path.name}: the header must say `KubeRay >= X` and which CRDs it was checked against"
+    assert (checked.group(1), checked.group(2)) == (CHECKED_TAGS[0].lstrip("v"), CHECKED_TAGS[-1].lstrip("v"))
+    minimum = _version(claim.group(1))
+    for tag in CHECKED_TAGS:
+        problems = _crd_problems(manifest, tag)
+        if _version(tag)[:2] >= minimum:
+            assert not problems, f"{path.name} on KubeRay {tag}:\n" + "\n".join(problems)
+    below = [t for t in CHECKED_TAGS if _version(t)[:2] < minimum]
+    if below:
+        assert _crd_problems(manifest, below[-1]), f"{path.name} also fits KubeRay {below[-1]}: claim >= {'.'.join(below[-1].lstrip('v').split('.')[:2])}"
+
+
+def test_crd_check_rejects_unknown_and_mistyped_fields() -> None:
+    """The check is closed down to the Pod template: a misspelt field or a wrong type anywhere is reported by path."""
+    (_, job), = _kuberay("RayJob")
+    job = json.loads(json.dumps(job))
+    job["spec"]["backoffLimmit"] = 0
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    worker["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    worker["rayStartParams"]["num-gpus"] = 8                      # Ray start params are strings
+    worker["template"]["spec"]["hostNetwork"] = True              # a real field, cut from the vendored schema
+    problems = "\n".join(_crd_problems(job, CHECKED_TAGS[-1]))
+    assert "$.spec: Additional properties are not allowed ('backoffLimmit' was unexpected)" in problems
+    assert "$.spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0]: Additional properties" in problems
+    assert "'imagePullPolicyy' was unexpected" in problems
+    assert "$.spec.rayClusterSpec.workerGroupSpecs[0].rayStartParams['num-gpus']: 8 is not of type 'string'" in problems
+    assert "$.spec.rayClusterSpec.workerGroupSpecs[0].template.spec.hostNetwork: set in the manifest but cut" in problems
+    assert len(problems.splitlines()) == 4, problems
 
 
 def test_networkpolicy_keeps_every_ray_pod_inside_the_cluster() -> None:
