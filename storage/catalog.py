@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from storage.format import (
     INDEX,
@@ -108,7 +108,10 @@ def verify(uri: str, step: int, *, deep: bool = True, storage_options: dict | No
     only (each loading rank still checks every piece it reads). Returns the
     manifest; raises CheckpointError naming the file and the problem.
     """
-    store = Store(uri, storage_options)
+    return _verify(Store(uri, storage_options), step, deep=deep)
+
+
+def _verify(store: Store, step: int, *, deep: bool) -> dict:
     manifest = _manifest(store, step)
     pieces = read_index(store, step, manifest)
     where = store.describe(step_dir(step))
@@ -175,7 +178,7 @@ def latest_valid(
         if not _committed(store, step):
             continue
         try:
-            verify(uri, step, deep=deep, storage_options=storage_options)
+            _verify(store, step, deep=deep)
         except CheckpointError as exc:
             if on_skip is not None:
                 on_skip(step, str(exc))
@@ -184,40 +187,71 @@ def latest_valid(
     return None
 
 
-def clean_incomplete(uri: str, *, below_step: int | None = None, storage_options: dict | None = None) -> list[int]:
-    """Delete step directories without a manifest (all of them, or those older than `below_step`); returns their steps.
+def clean_incomplete(uri: str, *, storage_options: dict | None = None) -> list[int]:
+    """Delete every step directory without a manifest; returns their steps.
 
-    Call it with no bound only when no save can be in flight (at job start);
-    `retain` bounds it by the newest commit.
+    Call it only when no save can be in flight (at job start); during a run,
+    `retain` cleans what is safe to clean.
     """
     store = Store(uri, storage_options)
     removed = []
     for step in _steps(store):
-        if (below_step is None or step < below_step) and not _committed(store, step):
+        if not _committed(store, step):
             store.remove_tree(step_dir(step))
             removed.append(step)
     return removed
 
 
-def retain(uri: str, keep: int, *, storage_options: dict | None = None) -> list[int]:
-    """Keep the newest `keep` committed checkpoints; delete older ones and incomplete directories older than the newest commit.
+def retain(uri: str, keep: int, *, in_progress: Iterable[int] = (), storage_options: dict | None = None) -> list[int]:
+    """Keep the newest `keep` checkpoints that verify; delete what is older than the newest of them. Returns the deleted steps.
 
-    The manifest goes first, so a deletion cut short leaves an incomplete
-    directory (cleaned next time), never a committed checkpoint with missing files.
-    Returns the deleted steps.
+    Only checkpoints that pass a shallow `verify` (manifest, index, file
+    sizes) count toward `keep`, so the newest checkpoint that verifies is never
+    deleted, whatever garbled or half-written directories sit above it. Shallow
+    is enough here: retention runs after each commit, and reading every byte of
+    every kept checkpoint each time would cost a full read per save; what it
+    cannot see (a bit flipped on disk after the commit) is what keeping more
+    than one checkpoint, and the deep check of `latest_valid` on restart, are for.
+
+    Nothing newer than the newest valid checkpoint is deleted: a broken
+    checkpoint there stays for inspection (it never counts toward `keep`), an
+    incomplete directory may be a save still being written. Below it, valid
+    checkpoints beyond `keep`, broken ones and incomplete directories are
+    deleted, except the steps named in `in_progress` (saves of this job still
+    being written). With no valid checkpoint nothing is deleted. The manifest
+    goes first, so a deletion cut short leaves an incomplete directory (cleaned
+    next time), never a committed checkpoint with missing files.
     """
     if keep < 1:
         raise ValueError("retain: keep must be at least 1")
     store = Store(uri, storage_options)
-    committed = [s for s in _steps(store) if _committed(store, s)]
-    removed = []
-    for step in committed[keep:]:
-        store.remove(f"{step_dir(step)}/{MANIFEST}")
-        store.remove_tree(step_dir(step))
-        removed.append(step)
-    if committed:
-        removed += clean_incomplete(uri, below_step=committed[0], storage_options=storage_options)
-    return sorted(removed, reverse=True)
+    steps = _steps(store)  # newest first
+    valid: list[int] = []
+    for step in steps:
+        if len(valid) == keep:
+            break
+        if _verifies(store, step):
+            valid.append(step)
+    if not valid:
+        return []
+    spared = set(valid) | set(in_progress)
+    doomed = [step for step in steps if step < valid[0] and step not in spared]
+    for step in doomed:
+        _remove_step(store, step)
+    return doomed
+
+
+def _verifies(store: Store, step: int) -> bool:
+    try:
+        _verify(store, step, deep=False)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _remove_step(store: Store, step: int) -> None:
+    store.remove(f"{step_dir(step)}/{MANIFEST}")
+    store.remove_tree(step_dir(step))
 
 
 def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
@@ -225,8 +259,7 @@ def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
     store = Store(uri, storage_options)
     steps = _steps(store)
     for step in steps:
-        store.remove(f"{step_dir(step)}/{MANIFEST}")
-        store.remove_tree(step_dir(step))
+        _remove_step(store, step)
     return steps
 
 

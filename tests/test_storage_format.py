@@ -431,3 +431,51 @@ def test_shallow_verify_checks_structure_not_data(tmp_path):
     assert storage.latest_valid(uri, deep=False) == 2 and storage.latest_valid(uri) == 1
     _data(tmp_path, step=2, rank=1).unlink()
     assert storage.latest_valid(uri, deep=False) == 1
+
+
+# -- retention: the newest checkpoint that verifies is never deleted -------------------------------------------
+def _garble(tmp_path, step: int) -> None:
+    (tmp_path / step_dir(step) / MANIFEST).write_text("garbage{")
+
+
+def _steps_on_disk(tmp_path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in tmp_path.iterdir() if p.name.startswith("step_"))
+
+
+def test_retention_keeps_the_newest_valid_checkpoint_and_the_save_in_progress(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 50)
+    _garble(tmp_path, 50)  # e.g. an old run's checkpoint, garbled
+    _save(uri, 10)
+    storage.write_shards(uri, 12, 0, _state())  # a save of step 12 in progress: no manifest yet
+    assert storage.retain(uri, 1, in_progress=[12]) == []
+    assert storage.retain(uri, 1) == []  # 12 is newer than the newest valid checkpoint: not cleaned either
+    assert _steps_on_disk(tmp_path) == [10, 12, 50]
+    assert storage.latest_valid(uri) == 10
+
+
+def test_retention_counts_only_checkpoints_that_verify(tmp_path):
+    uri = str(tmp_path)
+    for step in (5, 10, 20, 25, 30, 40):
+        _save(uri, step)
+    _garble(tmp_path, 25)
+    (tmp_path / step_dir(40) / INDEX).unlink()  # committed, but broken
+    storage.write_shards(uri, 3, 0, _state())  # an old save that never committed
+    storage.write_shards(uri, 15, 0, _state())  # below the newest valid checkpoint, but still being written
+    storage.write_shards(uri, 35, 0, _state())  # a save in flight
+    # Kept: 30 and 20 (the two newest that verify), 40 (broken, newer: kept for inspection), 35 and 15 (in progress).
+    assert storage.retain(uri, 2, in_progress=[15]) == [25, 10, 5, 3]
+    assert _steps_on_disk(tmp_path) == [15, 20, 30, 35, 40]
+    assert storage.retain(uri, 2) == [15]  # no longer in progress: below the newest valid checkpoint, cleaned
+    assert storage.latest_valid(uri) == 30
+
+
+def test_retention_without_a_valid_checkpoint_deletes_nothing(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 5)
+    _save(uri, 7)
+    _garble(tmp_path, 7)
+    (tmp_path / step_dir(5) / data_file(1)).unlink()
+    storage.write_shards(uri, 2, 0, _state())
+    assert storage.retain(uri, 1) == []
+    assert _steps_on_disk(tmp_path) == [2, 5, 7]
