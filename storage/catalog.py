@@ -38,21 +38,14 @@ def read_manifest(uri: str, step: int, *, storage_options: dict | None = None) -
 
 def _manifest(store: Store, step: int) -> dict:
     where = store.describe(step_dir(step))
-    try:
-        data = store.read(f"{step_dir(step)}/{MANIFEST}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}/{MANIFEST} is missing: step {step} is not a committed checkpoint") from None
+    data = _read(store, f"{step_dir(step)}/{MANIFEST}", f"step {step} is not a committed checkpoint")
     return decode_manifest(data, step, where)
 
 
 def read_index(store: Store, step: int, manifest: dict) -> list[Piece]:
     """The index of a committed checkpoint, checked against the manifest (size, CRC-32, every row's target)."""
     where = store.describe(step_dir(step))
-    rel = f"{step_dir(step)}/{INDEX}"
-    try:
-        data = store.read(rel)
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}/{INDEX} is missing") from None
+    data = _read(store, f"{step_dir(step)}/{INDEX}")
     expected = manifest["index"]
     if len(data) != expected["bytes"]:
         raise CheckpointError(f"{where}/{INDEX} has {len(data)} bytes, the manifest says {expected['bytes']} (truncated?)")
@@ -61,13 +54,33 @@ def read_index(store: Store, step: int, manifest: dict) -> list[Piece]:
     return decode_index(data, manifest["files"], where)
 
 
+def _read(store: Store, rel: str, missing: str = "") -> bytes:
+    """A whole small file; any I/O error is a CheckpointError naming it (a restart then falls back to an older checkpoint)."""
+    try:
+        return store.read(rel)
+    except FileNotFoundError:
+        raise CheckpointError(f"{store.describe(rel)} is missing" + (f": {missing}" if missing else "")) from None
+    except OSError as exc:
+        raise unreadable(store.describe(rel), exc) from None
+
+
+def unreadable(name: str, exc: OSError) -> CheckpointError:
+    """The CheckpointError for an I/O error (EIO, ESTALE, a directory where a file should be, a symlink, ...)."""
+    return CheckpointError(f"{name} cannot be read: {exc.strerror or type(exc).__name__ + ': ' + str(exc)}")
+
+
 def _steps(store: Store) -> list[int]:
     """Step numbers of every step directory, committed or not, newest first."""
     return sorted((s for s in map(parse_step_dir, store.list_dirs()) if s is not None), reverse=True)
 
 
 def _committed(store: Store, step: int) -> bool:
-    return store.exists(f"{step_dir(step)}/{MANIFEST}")
+    """Whether the step directory has a manifest; when that cannot be told (an I/O error), it is taken to have one,
+    so that it is never cleaned as an incomplete save and reading it reports the error."""
+    try:
+        return store.exists(f"{step_dir(step)}/{MANIFEST}")
+    except OSError:
+        return True
 
 
 def list_checkpoints(uri: str, *, storage_options: dict | None = None) -> list[dict]:
@@ -130,6 +143,8 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
         size = store.size(rel)
     except FileNotFoundError:
         raise CheckpointError(f"{name} is missing") from None
+    except OSError as exc:
+        raise unreadable(name, exc) from None
     if size < entry["bytes"]:
         raise CheckpointError(f"{name} is truncated: {size} bytes, the manifest says {entry['bytes']}")
     if size > entry["bytes"]:
@@ -143,6 +158,16 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
         raise CheckpointError(f"{name}: index rows cover {pos} of its {entry['bytes']} bytes")
     if not deep:
         return
+    try:
+        file_crc = _check_pieces(store, rel, name, pieces)
+    except OSError as exc:
+        raise unreadable(name, exc) from None
+    if file_crc != entry["crc32"]:
+        raise CheckpointError(f"{name} fails its file checksum (corrupted data)")
+
+
+def _check_pieces(store: Store, rel: str, name: str, pieces: list[Piece]) -> int:
+    """Read a data file once, checking every piece's CRC-32; returns the whole file's."""
     file_crc, pos = 0, 0
     with store.open_read(rel) as f:
         for p in pieces:
@@ -161,8 +186,7 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
                     f"{name}: piece {p.key!r} at {list(p.offsets)} (bytes {p.byte_offset}..{p.byte_offset + p.nbytes}) "
                     "fails its checksum (corrupted data)"
                 )
-    if file_crc != entry["crc32"]:
-        raise CheckpointError(f"{name} fails its file checksum (corrupted data)")
+    return file_crc
 
 
 def latest_valid(

@@ -234,6 +234,8 @@ def decode_manifest(data: bytes, step: int, where: str) -> dict:
         m = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{what} is garbled: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is garbled: nested too deeply") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{what} is garbled: not an {FORMAT} manifest")
     if m.get("version") != VERSION:

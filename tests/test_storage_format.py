@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -479,3 +480,32 @@ def test_retention_without_a_valid_checkpoint_deletes_nothing(tmp_path):
     storage.write_shards(uri, 2, 0, _state())
     assert storage.retain(uri, 1) == []
     assert _steps_on_disk(tmp_path) == [2, 5, 7]
+
+
+# -- I/O errors and hostile manifests fall back to an older checkpoint ----------------------------------------------
+def _nested_manifest(path: Path) -> None:
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda d: ((d / MANIFEST).unlink(), (d / MANIFEST).mkdir()), r"manifest\.json cannot be read: Is a directory"),
+        (lambda d: ((d / INDEX).unlink(), (d / INDEX).mkdir()), r"index\.arrow cannot be read: Is a directory"),
+        (lambda d: _nested_manifest(d / MANIFEST), r"manifest\.json is garbled: nested too deeply"),
+    ],
+)
+def test_unreadable_checkpoint_is_skipped_with_the_reason(tmp_path, damage, match):
+    uri = str(tmp_path)
+    _save(uri, 1)
+    _save(uri, 2)
+    damage(tmp_path / step_dir(2))
+    with pytest.raises(storage.CheckpointError, match=match):
+        storage.verify(uri, 2)
+    skipped = []
+    assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append((s, why))) == 1
+    assert [s for s, _ in skipped] == [2] and re.search(match, skipped[0][1])
+    listed = storage.list_checkpoints(uri)
+    assert [c["step"] for c in listed] == [2, 1] and ("error" in listed[0]) == ("manifest" in match)
+    assert storage.retain(uri, 1) == []  # newer than the newest valid checkpoint: kept for inspection
+    assert storage.clean_incomplete(uri) == []  # it has a manifest (of sorts): not an incomplete save
