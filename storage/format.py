@@ -163,7 +163,10 @@ def decode_index(data: bytes, files: dict[str, dict], where: str) -> list[Piece]
     """Parse and check the index: every row must point inside a data file the manifest lists."""
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        # The IPC reader checks little of the buffers: offsets that run backwards or past their data, strings that
+        # are not UTF-8 would crash the conversion below or read outside the buffer. Untrusted input: check it all.
+        table.validate(full=True)
+    except (pa.ArrowException, OSError) as exc:
         raise CheckpointError(f"{where}: {INDEX} is not a readable Arrow file ({exc})") from None
     if not table.schema.remove_metadata().equals(INDEX_SCHEMA):
         raise CheckpointError(f"{where}: {INDEX} has the schema {table.schema}, expected {INDEX_SCHEMA}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 import json
 import os
 import pickle
@@ -233,6 +234,43 @@ def test_index_row_pointing_outside(tmp_path, mutate, match):
         storage.verify(str(tmp_path), 1)
     with pytest.raises(storage.CheckpointError, match=match):
         storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def _index_with_keys(tmp_path, step: int, offsets: list[int], data: bytes) -> None:
+    """Replace the index's `key` column by raw buffers (offsets, UTF-8 bytes), sealed in the manifest: a forged index."""
+    import pyarrow as pa
+
+    from storage.format import INDEX_COLUMNS, INDEX_SCHEMA, crc32
+
+    d = tmp_path / step_dir(step)
+    table = pa.ipc.open_file(pa.py_buffer((d / INDEX).read_bytes())).read_all().combine_chunks()
+    keys = pa.Array.from_buffers(pa.string(), len(offsets) - 1, [None, pa.py_buffer(bytes(memoryview(array("i", offsets)))), pa.py_buffer(data)])
+    forged = pa.Table.from_arrays([keys if n == "key" else table.column(n).chunk(0) for n in INDEX_COLUMNS], schema=INDEX_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
+        writer.write_table(forged)
+    raw = sink.getvalue().to_pybytes()
+    (d / INDEX).write_bytes(raw)
+    m = json.loads((d / MANIFEST).read_text())
+    m["index"].update(bytes=len(raw), crc32=crc32(raw))
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "offsets,data",
+    [
+        ([0, 9, 7], b"model.b" + b"model.w"),  # offsets that run backwards: crashed the decode (SystemError)
+        ([0, 7, 14], b"\xffodel.b" + b"model.w"),  # not UTF-8: crashed the decode (UnicodeDecodeError)
+    ],
+)
+def test_index_with_corrupt_buffers_is_named(tmp_path, offsets, data):
+    state = {"model.b": torch.ones(3), "model.w": torch.zeros(2)}
+    rows = storage.write_shards(str(tmp_path), 1, 0, state)
+    storage.commit(str(tmp_path), 1, rows, layout={}, train_state={})
+    _index_with_keys(tmp_path, 1, offsets, data)
+    with pytest.raises(storage.CheckpointError, match=r"index\.arrow is not a readable Arrow file .*(offset|UTF8)"):
+        storage.verify(str(tmp_path), 1)
+    assert storage.latest_valid(str(tmp_path)) is None
 
 
 def test_corrupt_index_is_named(tmp_path):
