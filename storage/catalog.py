@@ -288,23 +288,25 @@ def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
 
 
 def corrupt_newest(uri: str, *, seed: int = 0, storage_options: dict | None = None) -> str | None:
-    """Fault injection: flip one bit of a data file of the newest committed checkpoint, chosen by `seed`.
+    """Fault injection: flip one bit of a data file of the newest committed checkpoint whose manifest reads, chosen by `seed`.
 
     Returns the corrupted file and byte (`URI@BYTE`), or None when there is no
     checkpoint. `verify` and `latest_valid` must then reject that checkpoint.
     """
     store = Store(uri, storage_options)
     for step in _steps(store):
-        if not _committed(store, step):
-            continue
-        files = sorted((rel, e["bytes"]) for rel, e in _manifest(store, step)["files"].items() if e["bytes"])
+        try:
+            manifest = _manifest(store, step)
+        except CheckpointError:
+            continue  # not committed, or broken already
+        files = sorted((rel, e["bytes"]) for rel, e in manifest["files"].items() if e["bytes"])
         if not files:
             return None
         rng = random.Random(seed)
         rel, size = files[rng.randrange(len(files))]
         at = rng.randrange(size)
         path = f"{step_dir(step)}/{rel}"
-        data = bytearray(store.read(path))
+        data = bytearray(_read(store, path))  # never through a link: only this checkpoint's own file
         data[at] ^= 1 << rng.randrange(8)
         store.write(path, [data])
         return f"{store.describe(path)}@{at}"

@@ -28,8 +28,9 @@ MANIFEST = "manifest.json"
 INDEX = "index.arrow"
 ALIGN = 64
 """Pieces start at multiples of this many bytes in their data file (zero padding between), so a read buffer views any dtype aligned."""
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_DATA_FILE = re.compile(r"^data/rank_\d{5,}\.bin$")
+_STEP_DIR = re.compile(r"step_([0-9]{8,})")
+_DATA_FILE = re.compile(r"data/rank_[0-9]{5,}\.bin")
+"""The only names a data file may have (matched whole): inside the step directory, no `..`, no absolute path."""
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -64,7 +65,7 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -184,7 +185,7 @@ def decode_index(data: bytes, files: dict[str, dict], where: str) -> list[Piece]
 
 def _check_piece(p: Piece, i: int, files: dict[str, dict], where: str) -> None:
     what = f"{where}/{INDEX}: row {i} ({p.key!r})"
-    if p.file not in files or not _DATA_FILE.match(p.file):
+    if p.file not in files or not _DATA_FILE.fullmatch(p.file):
         raise CheckpointError(f"{what} points to {p.file!r}, outside the checkpoint's data files")
     if p.dtype not in DTYPES:
         raise CheckpointError(f"{what} has unknown dtype {p.dtype!r}")
@@ -250,6 +251,9 @@ def decode_manifest(data: bytes, step: int, where: str) -> dict:
     ok = ok and all(isinstance(k, str) and _file_entry_ok(v) for k, v in files.items())
     if not ok or not isinstance(m.get("train_state"), dict) or not isinstance(m.get("layout"), dict):
         raise CheckpointError(f"{what} is garbled: missing or malformed files, index, layout or train_state")
+    for name in files:  # untrusted: a name like "../../x" must never reach a path
+        if not _DATA_FILE.fullmatch(name):
+            raise CheckpointError(f"{what} names a data file {name!r} that is not data/rank_NNNNN.bin inside the checkpoint")
     return m
 
 

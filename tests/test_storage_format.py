@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -337,7 +338,7 @@ _KILLER = textwrap.dedent(
     elif point == "before_manifest":
         sfs.Store.write_atomic = lambda self, rel, data: die()
     elif point == "manifest_rename":
-        sfs.os.replace = lambda a, b: die()
+        sfs.os.replace = lambda *args, **kwargs: die()
     rows = storage.write_shards(uri, 2, 0, {k: v + 1 for k, v in state.items()})
     storage.commit(uri, 2, rows, layout={}, train_state={"step": 2})
     """
@@ -547,3 +548,96 @@ def test_unreadable_checkpoint_is_skipped_with_the_reason(tmp_path, damage, matc
     assert [c["step"] for c in listed] == [2, 1] and ("error" in listed[0]) == ("manifest" in match)
     assert storage.retain(uri, 1) == []  # newer than the newest valid checkpoint: kept for inspection
     assert storage.clean_incomplete(uri) == []  # it has a manifest (of sorts): not an incomplete save
+
+
+# -- untrusted names and planted links never reach outside the checkpoint --------------------------------------------
+@pytest.mark.parametrize("name", ["../../x", "/tmp/x", "data/../../../x", "data/rank_00000.bin/../../../x", "data/rank_00000.bin\n"])
+def test_manifest_naming_a_file_outside_is_refused(tmp_path, name):
+    outside = tmp_path / "x"
+    outside.write_bytes(b"12345")
+    uri = str(tmp_path / "ck")
+    _save(uri, 1)
+    path = tmp_path / "ck" / step_dir(1) / MANIFEST
+    m = json.loads(path.read_text())
+    m["files"] = {name: {"bytes": 5, "crc32": 0}}  # the only file, so that corrupt_newest would pick it
+    path.write_text(json.dumps(m))
+    with pytest.raises(storage.CheckpointError, match=re.escape(repr(name)) + " that is not data/rank_NNNNN.bin"):
+        storage.verify(uri, 1)
+    assert storage.corrupt_newest(uri) is None  # the only checkpoint's manifest is refused: nothing to corrupt
+    assert outside.read_bytes() == b"12345"
+
+
+def _outside_copy(tmp_path, step: int) -> Path:
+    """A valid checkpoint of `step` in a directory outside the checkpoint root under test."""
+    _save(str(tmp_path / "outside"), step, seed=9)
+    return tmp_path / "outside" / step_dir(step)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_step_dir_that_is_a_link_is_never_followed(tmp_path):
+    uri = str(tmp_path / "ck")
+    target = _outside_copy(tmp_path, 3)
+    before = _tree(target)
+    _save(uri, 2)
+    (tmp_path / "ck" / step_dir(3)).symlink_to(target, target_is_directory=True)
+    with pytest.raises(storage.CheckpointError, match=r"step_00000003/manifest\.json cannot be read: step_00000003 is a symbolic link"):
+        storage.verify(uri, 3)
+    with pytest.raises(storage.CheckpointError, match="step_00000003 is a symbolic link"):
+        storage.load_shards(uri, 3, _empty_like(_state()))
+    skipped = []
+    assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append(s)) == 2 and skipped == [3]
+    assert "error" in storage.list_checkpoints(uri)[0]
+    assert storage.corrupt_newest(uri).startswith(f"{uri}/{step_dir(2)}/")  # the link's checkpoint is skipped
+    with pytest.raises(OSError, match="step_00000003 is a symbolic link"):
+        storage.write_shards(uri, 3, 0, _state())  # a save never writes through it either
+    assert storage.retain(uri, 1) == []  # newer than the newest valid checkpoint: kept for inspection
+    assert storage.remove_all(uri) == [3, 2]
+    assert not (tmp_path / "ck" / step_dir(3)).is_symlink() and _tree(target) == before
+    # Older than the newest valid checkpoint, retention deletes the link, not what it points to.
+    _save(uri, 4)
+    (tmp_path / "ck" / step_dir(3)).symlink_to(target, target_is_directory=True)
+    assert storage.retain(uri, 1) == [3] and _tree(target) == before
+
+
+def test_data_file_or_data_dir_that_is_a_link_is_never_followed(tmp_path):
+    uri = str(tmp_path / "ck")
+    target = _outside_copy(tmp_path, 1)
+    before = _tree(target)
+    _save(uri, 1)
+    link = tmp_path / "ck" / step_dir(1) / data_file(0)
+    link.unlink()
+    link.symlink_to(target / data_file(0))  # the same bytes: following it would verify
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin cannot be read: .*rank_00000\.bin is a symbolic link"):
+        storage.verify(uri, 1)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin is a symbolic link"):
+        storage.load_shards(uri, 1, _empty_like(_state()))
+    assert storage.latest_valid(uri) is None
+    for seed in range(6):  # whichever file it picks, the outside one is never written
+        try:
+            storage.corrupt_newest(uri, seed=seed)
+        except storage.CheckpointError as exc:
+            assert "symbolic link" in str(exc)
+    assert _tree(target) == before
+    data_dir = tmp_path / "ck" / step_dir(1) / "data"
+    shutil.rmtree(data_dir)
+    data_dir.symlink_to(target / "data", target_is_directory=True)
+    with pytest.raises(storage.CheckpointError, match=r"step_00000001/data is a symbolic link"):
+        storage.verify(uri, 1)
+    with pytest.raises(OSError, match="data is a symbolic link"):
+        storage.write_shards(uri, 1, 0, _state())
+    assert storage.remove_all(uri) == [1] and _tree(target) == before
+
+
+def test_root_that_is_a_link_is_followed(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "root").symlink_to(tmp_path / "real", target_is_directory=True)
+    uri = str(tmp_path / "root")
+    state = _save(uri, 1)
+    assert storage.verify(uri, 1)["step"] == 1 and storage.latest_valid(uri) == 1
+    template = _empty_like(state)
+    storage.load_shards(uri, 1, template)
+    assert all(torch.equal(template[k], state[k]) for k in state)
+    assert (tmp_path / "real" / step_dir(1) / MANIFEST).is_file()
