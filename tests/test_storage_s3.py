@@ -81,8 +81,8 @@ def _sharded(full: dict, template: bool) -> dict:
 
 def _save(rank: int, world: int, uri: str) -> None:
     tensors = _sharded(_full_state(), template=False)
-    rows = storage.write_shards(uri, 5, rank, storage.snapshot(tensors))
-    storage.gather_and_commit(uri, 5, rows, layout={"dp_shard": world}, train_state={"step": 5})
+    rows = storage.write_shards(uri, 5, rank, storage.snapshot(tensors), generation=1)
+    storage.gather_and_commit(uri, 5, rows, layout={"dp_shard": world}, train_state={"step": 5}, generation=1)
 
 
 def _load(rank: int, world: int, uri: str) -> dict:
@@ -106,9 +106,9 @@ def test_s3_catalog(s3):
     uri = f"{s3}/catalog"
     state = _full_state()
     for step in (1, 2, 3):
-        rows = storage.write_shards(uri, step, 0, state)
-        storage.commit(uri, step, rows, layout={}, train_state={"step": step})
-    storage.write_shards(uri, 0, 0, state)  # never committed
+        rows = storage.write_shards(uri, step, 0, state, generation=1)
+        storage.commit(uri, step, rows, layout={}, train_state={"step": step}, generation=1)
+    storage.write_shards(uri, 0, 0, state, generation=1)  # never committed
     assert storage.latest_valid(uri) == 3
     assert storage.retain(uri, 1) == [2, 1, 0]
     assert [c["step"] for c in storage.list_checkpoints(uri)] == [3]
@@ -120,8 +120,8 @@ def test_s3_catalog(s3):
 def _round_trip(uri: str, storage_options: dict | None) -> None:
     state = _full_state()
     storage.check_writable(uri, storage_options=storage_options)
-    rows = storage.write_shards(uri, 1, 0, state, storage_options=storage_options)
-    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, storage_options=storage_options)
+    rows = storage.write_shards(uri, 1, 0, state, storage_options=storage_options, generation=1)
+    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, storage_options=storage_options, generation=1)
     assert storage.verify(uri, 1, storage_options=storage_options)["step"] == 1
     template = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.load_shards(uri, 1, template, storage_options=storage_options)
