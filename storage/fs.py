@@ -128,6 +128,42 @@ class Store:
             return
         self.fs.pipe_file(self.path(rel), data)
 
+    def create_new(self, rel: str, data: bytes) -> bool:
+        """Publish a small file only where none exists; False if one does.
+
+        Local files: atomic and complete (a temporary file, hard-linked to the
+        name, which fails if the name exists). Object stores have no such
+        operation here: a check, then a single PUT, so two writers may both
+        see True; callers read back to detect that (see `storage.lease`).
+        """
+        if self.local is not None:
+            with self._parent(rel, create=True) as (fd, name):
+                tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+                _write_local(fd, tmp, rel, [data], durable=True)
+                try:
+                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                    return True
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp, dir_fd=fd)
+                    os.fsync(fd)
+        if self.exists(rel):
+            return False
+        self.write_atomic(rel, data)
+        return True
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Atomically move a local file to another name in the same directory (FileNotFoundError if it is gone)."""
+        if self.local is None:
+            raise NotImplementedError("rename: local files only")
+        with self._parent(rel) as (fd, name):
+            head, _, new_name = new_rel.rpartition("/")
+            if head != rel.rpartition("/")[0]:
+                raise ValueError(f"rename: {rel!r} and {new_rel!r} are not in one directory")
+            _parts(new_name)
+            os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
+
     # -- reading -------------------------------------------------------------
     def read(self, rel: str) -> bytes:
         if self.local is not None:
