@@ -233,8 +233,8 @@ def phase_save(rank: int, world: int, root: str) -> dict:
     step = 0
 
     def ours(step: int) -> None:
-        rows = storage.write_shards(str(root / "ours"), step, rank, state)
-        storage.gather_and_commit(str(root / "ours"), step, rows, layout=layout, train_state={"step": step})
+        rows = storage.write_shards(str(root / "ours"), step, rank, state, generation=0)
+        storage.gather_and_commit(str(root / "ours"), step, rows, layout=layout, train_state={"step": step}, generation=0)
 
     for r in range(ROUNDS):
         for method in _rotated(r):
@@ -264,14 +264,14 @@ def phase_save(rank: int, world: int, root: str) -> dict:
     for _ in range(ASYNC_SAVES):
         step += 1
         t0 = time.perf_counter()
-        future = writer.submit(str(root / "ours"), step, rank, state)
+        future = writer.submit(str(root / "ours"), step, rank, state, generation=0)
         future.add_done_callback(lambda _f, t0=t0: out["async_write_s"].append(time.perf_counter() - t0))
         step_s, stall = _train_step(state, x, writer)
         out["async_step_s_samples"].append(step_s)
         out["async_stalls_s"].append(stall)
         saves.append((step, future))
     for step, future in saves:  # the coordinator's part, after the steps: the commit is not the trainer's stall
-        storage.gather_and_commit(str(root / "ours"), step, future.result(), layout=layout, train_state={"step": step})
+        storage.gather_and_commit(str(root / "ours"), step, future.result(), layout=layout, train_state={"step": step}, generation=0)
     writer.close()  # joins the writer thread: every done-callback has run
     for name in ("train_step_s_samples", "async_stalls_s", "async_step_s_samples", "async_write_s"):
         out[name] = _slowest(out[name])

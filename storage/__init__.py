@@ -6,8 +6,9 @@ global coordinates, and `manifest.json`, written last: the commit. See
 `storage.format` for the layout on disk and the chain of checksums.
 
     tensors = state_tensors(model_parts, optimizer)        # live, named by FQN
-    rows = write_shards(uri, step, rank, snapshot(tensors)) # every rank, no communication
-    commit(uri, step, all_rows, layout=..., train_state=...)  # the coordinator, once
+    with Lease(uri, {"job": name}):                         # one job per URI (LeaseHeld names the holder)
+        rows = write_shards(uri, step, rank, snapshot(tensors), generation=g)  # every rank, no communication
+        commit(uri, step, all_rows, generation=g, layout=..., train_state=...)  # the coordinator, once
     load_training_state(uri, step, new_parts, new_optimizer)  # any layout
     # = load_shards(uri, step, state_tensors(new_parts, new_optimizer))
     planner = ReadPlanner.open(uri, step)                  # decode the index once, plan many ranks
@@ -28,6 +29,7 @@ from storage.catalog import (
     verify,
 )
 from storage.format import CheckpointError
+from storage.lease import Lease, LeaseHeld
 from storage.reader import ReadPlanner, load_into, load_shards, load_training_state
 from storage.state import LocalPart, snapshot, state_tensors
 from storage.writer import BackgroundWriter, commit, gather_and_commit, write_shards
@@ -35,6 +37,8 @@ from storage.writer import BackgroundWriter, commit, gather_and_commit, write_sh
 __all__ = [
     "BackgroundWriter",
     "CheckpointError",
+    "Lease",
+    "LeaseHeld",
     "LocalPart",
     "ReadPlanner",
     "check_writable",

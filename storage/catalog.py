@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from storage.format import (
     INDEX,
@@ -38,21 +38,14 @@ def read_manifest(uri: str, step: int, *, storage_options: dict | None = None) -
 
 def _manifest(store: Store, step: int) -> dict:
     where = store.describe(step_dir(step))
-    try:
-        data = store.read(f"{step_dir(step)}/{MANIFEST}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}/{MANIFEST} is missing: step {step} is not a committed checkpoint") from None
+    data = _read(store, f"{step_dir(step)}/{MANIFEST}", f"step {step} is not a committed checkpoint")
     return decode_manifest(data, step, where)
 
 
 def read_index(store: Store, step: int, manifest: dict) -> list[Piece]:
     """The index of a committed checkpoint, checked against the manifest (size, CRC-32, every row's target)."""
     where = store.describe(step_dir(step))
-    rel = f"{step_dir(step)}/{INDEX}"
-    try:
-        data = store.read(rel)
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}/{INDEX} is missing") from None
+    data = _read(store, f"{step_dir(step)}/{INDEX}")
     expected = manifest["index"]
     if len(data) != expected["bytes"]:
         raise CheckpointError(f"{where}/{INDEX} has {len(data)} bytes, the manifest says {expected['bytes']} (truncated?)")
@@ -61,13 +54,33 @@ def read_index(store: Store, step: int, manifest: dict) -> list[Piece]:
     return decode_index(data, manifest["files"], where)
 
 
+def _read(store: Store, rel: str, missing: str = "") -> bytes:
+    """A whole small file; any I/O error is a CheckpointError naming it (a restart then falls back to an older checkpoint)."""
+    try:
+        return store.read(rel)
+    except FileNotFoundError:
+        raise CheckpointError(f"{store.describe(rel)} is missing" + (f": {missing}" if missing else "")) from None
+    except OSError as exc:
+        raise unreadable(store.describe(rel), exc) from None
+
+
+def unreadable(name: str, exc: OSError) -> CheckpointError:
+    """The CheckpointError for an I/O error (EIO, ESTALE, a directory where a file should be, a symlink, ...)."""
+    return CheckpointError(f"{name} cannot be read: {exc.strerror or type(exc).__name__ + ': ' + str(exc)}")
+
+
 def _steps(store: Store) -> list[int]:
     """Step numbers of every step directory, committed or not, newest first."""
     return sorted((s for s in map(parse_step_dir, store.list_dirs()) if s is not None), reverse=True)
 
 
 def _committed(store: Store, step: int) -> bool:
-    return store.exists(f"{step_dir(step)}/{MANIFEST}")
+    """Whether the step directory has a manifest; when that cannot be told (an I/O error), it is taken to have one,
+    so that it is never cleaned as an incomplete save and reading it reports the error."""
+    try:
+        return store.exists(f"{step_dir(step)}/{MANIFEST}")
+    except OSError:
+        return True
 
 
 def list_checkpoints(uri: str, *, storage_options: dict | None = None) -> list[dict]:
@@ -108,7 +121,10 @@ def verify(uri: str, step: int, *, deep: bool = True, storage_options: dict | No
     only (each loading rank still checks every piece it reads). Returns the
     manifest; raises CheckpointError naming the file and the problem.
     """
-    store = Store(uri, storage_options)
+    return _verify(Store(uri, storage_options), step, deep=deep)
+
+
+def _verify(store: Store, step: int, *, deep: bool) -> dict:
     manifest = _manifest(store, step)
     pieces = read_index(store, step, manifest)
     where = store.describe(step_dir(step))
@@ -127,6 +143,8 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
         size = store.size(rel)
     except FileNotFoundError:
         raise CheckpointError(f"{name} is missing") from None
+    except OSError as exc:
+        raise unreadable(name, exc) from None
     if size < entry["bytes"]:
         raise CheckpointError(f"{name} is truncated: {size} bytes, the manifest says {entry['bytes']}")
     if size > entry["bytes"]:
@@ -140,6 +158,16 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
         raise CheckpointError(f"{name}: index rows cover {pos} of its {entry['bytes']} bytes")
     if not deep:
         return
+    try:
+        file_crc = _check_pieces(store, rel, name, pieces)
+    except OSError as exc:
+        raise unreadable(name, exc) from None
+    if file_crc != entry["crc32"]:
+        raise CheckpointError(f"{name} fails its file checksum (corrupted data)")
+
+
+def _check_pieces(store: Store, rel: str, name: str, pieces: list[Piece]) -> int:
+    """Read a data file once, checking every piece's CRC-32; returns the whole file's."""
     file_crc, pos = 0, 0
     with store.open_read(rel) as f:
         for p in pieces:
@@ -158,8 +186,7 @@ def _verify_file(store: Store, rel: str, entry: dict, pieces: list[Piece], deep:
                     f"{name}: piece {p.key!r} at {list(p.offsets)} (bytes {p.byte_offset}..{p.byte_offset + p.nbytes}) "
                     "fails its checksum (corrupted data)"
                 )
-    if file_crc != entry["crc32"]:
-        raise CheckpointError(f"{name} fails its file checksum (corrupted data)")
+    return file_crc
 
 
 def latest_valid(
@@ -175,7 +202,7 @@ def latest_valid(
         if not _committed(store, step):
             continue
         try:
-            verify(uri, step, deep=deep, storage_options=storage_options)
+            _verify(store, step, deep=deep)
         except CheckpointError as exc:
             if on_skip is not None:
                 on_skip(step, str(exc))
@@ -184,40 +211,71 @@ def latest_valid(
     return None
 
 
-def clean_incomplete(uri: str, *, below_step: int | None = None, storage_options: dict | None = None) -> list[int]:
-    """Delete step directories without a manifest (all of them, or those older than `below_step`); returns their steps.
+def clean_incomplete(uri: str, *, storage_options: dict | None = None) -> list[int]:
+    """Delete every step directory without a manifest; returns their steps.
 
-    Call it with no bound only when no save can be in flight (at job start);
-    `retain` bounds it by the newest commit.
+    Call it only when no save can be in flight (at job start); during a run,
+    `retain` cleans what is safe to clean.
     """
     store = Store(uri, storage_options)
     removed = []
     for step in _steps(store):
-        if (below_step is None or step < below_step) and not _committed(store, step):
+        if not _committed(store, step):
             store.remove_tree(step_dir(step))
             removed.append(step)
     return removed
 
 
-def retain(uri: str, keep: int, *, storage_options: dict | None = None) -> list[int]:
-    """Keep the newest `keep` committed checkpoints; delete older ones and incomplete directories older than the newest commit.
+def retain(uri: str, keep: int, *, in_progress: Iterable[int] = (), storage_options: dict | None = None) -> list[int]:
+    """Keep the newest `keep` checkpoints that verify; delete what is older than the newest of them. Returns the deleted steps.
 
-    The manifest goes first, so a deletion cut short leaves an incomplete
-    directory (cleaned next time), never a committed checkpoint with missing files.
-    Returns the deleted steps.
+    Only checkpoints that pass a shallow `verify` (manifest, index, file
+    sizes) count toward `keep`, so the newest checkpoint that verifies is never
+    deleted, whatever garbled or half-written directories sit above it. Shallow
+    is enough here: retention runs after each commit, and reading every byte of
+    every kept checkpoint each time would cost a full read per save; what it
+    cannot see (a bit flipped on disk after the commit) is what keeping more
+    than one checkpoint, and the deep check of `latest_valid` on restart, are for.
+
+    Nothing newer than the newest valid checkpoint is deleted: a broken
+    checkpoint there stays for inspection (it never counts toward `keep`), an
+    incomplete directory may be a save still being written. Below it, valid
+    checkpoints beyond `keep`, broken ones and incomplete directories are
+    deleted, except the steps named in `in_progress` (saves of this job still
+    being written). With no valid checkpoint nothing is deleted. The manifest
+    goes first, so a deletion cut short leaves an incomplete directory (cleaned
+    next time), never a committed checkpoint with missing files.
     """
     if keep < 1:
         raise ValueError("retain: keep must be at least 1")
     store = Store(uri, storage_options)
-    committed = [s for s in _steps(store) if _committed(store, s)]
-    removed = []
-    for step in committed[keep:]:
-        store.remove(f"{step_dir(step)}/{MANIFEST}")
-        store.remove_tree(step_dir(step))
-        removed.append(step)
-    if committed:
-        removed += clean_incomplete(uri, below_step=committed[0], storage_options=storage_options)
-    return sorted(removed, reverse=True)
+    steps = _steps(store)  # newest first
+    valid: list[int] = []
+    for step in steps:
+        if len(valid) == keep:
+            break
+        if _verifies(store, step):
+            valid.append(step)
+    if not valid:
+        return []
+    spared = set(valid) | set(in_progress)
+    doomed = [step for step in steps if step < valid[0] and step not in spared]
+    for step in doomed:
+        _remove_step(store, step)
+    return doomed
+
+
+def _verifies(store: Store, step: int) -> bool:
+    try:
+        _verify(store, step, deep=False)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _remove_step(store: Store, step: int) -> None:
+    store.remove(f"{step_dir(step)}/{MANIFEST}")
+    store.remove_tree(step_dir(step))
 
 
 def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
@@ -225,29 +283,30 @@ def remove_all(uri: str, *, storage_options: dict | None = None) -> list[int]:
     store = Store(uri, storage_options)
     steps = _steps(store)
     for step in steps:
-        store.remove(f"{step_dir(step)}/{MANIFEST}")
-        store.remove_tree(step_dir(step))
+        _remove_step(store, step)
     return steps
 
 
 def corrupt_newest(uri: str, *, seed: int = 0, storage_options: dict | None = None) -> str | None:
-    """Fault injection: flip one bit of a data file of the newest committed checkpoint, chosen by `seed`.
+    """Fault injection: flip one bit of a data file of the newest committed checkpoint whose manifest reads, chosen by `seed`.
 
     Returns the corrupted file and byte (`URI@BYTE`), or None when there is no
     checkpoint. `verify` and `latest_valid` must then reject that checkpoint.
     """
     store = Store(uri, storage_options)
     for step in _steps(store):
-        if not _committed(store, step):
-            continue
-        files = sorted((rel, e["bytes"]) for rel, e in _manifest(store, step)["files"].items() if e["bytes"])
+        try:
+            manifest = _manifest(store, step)
+        except CheckpointError:
+            continue  # not committed, or broken already
+        files = sorted((rel, e["bytes"]) for rel, e in manifest["files"].items() if e["bytes"])
         if not files:
             return None
         rng = random.Random(seed)
         rel, size = files[rng.randrange(len(files))]
         at = rng.randrange(size)
         path = f"{step_dir(step)}/{rel}"
-        data = bytearray(store.read(path))
+        data = bytearray(_read(store, path))  # never through a link: only this checkpoint's own file
         data[at] ^= 1 << rng.randrange(8)
         store.write(path, [data])
         return f"{store.describe(path)}@{at}"

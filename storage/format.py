@@ -1,8 +1,14 @@
 """The on-disk format: names, the Arrow index, the manifest, and their validation.
 
-    <root>/step_00000040/data/rank_00003.bin   raw bytes, pieces back to back
-    <root>/step_00000040/index.arrow            Arrow IPC, one row per piece
-    <root>/step_00000040/manifest.json          written last: the commit
+    <root>/step_00000040/data/g000002-rank_00003.bin   raw bytes, pieces back to back
+    <root>/step_00000040/index.arrow                    Arrow IPC, one row per piece
+    <root>/step_00000040/manifest.json                  written last: the commit
+
+A data file's name carries the generation of the job that wrote it (`g000002`)
+and the writing rank, so a late write of an earlier generation lands in a file
+of its own and can never overwrite the file the next generation wrote for the
+same step; a commit lists only files of the committing generation. Checkpoints
+of the first format, with `data/rank_00003.bin`, still load and verify.
 
 Trust flows from the manifest down: it records the size and CRC-32 of the
 index and of every data file; the index records each piece's key, dtype,
@@ -28,8 +34,10 @@ MANIFEST = "manifest.json"
 INDEX = "index.arrow"
 ALIGN = 64
 """Pieces start at multiples of this many bytes in their data file (zero padding between), so a read buffer views any dtype aligned."""
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_DATA_FILE = re.compile(r"^data/rank_\d{5,}\.bin$")
+_STEP_DIR = re.compile(r"step_([0-9]{8,})")
+_DATA_FILE = re.compile(r"data/(?:g(?P<generation>[0-9]{6,})-)?rank_[0-9]{5,}\.bin")
+"""The only names a data file may have (matched whole): inside the step directory, no `..`, no absolute path."""
+DATA_FILE_FORM = "data/gGGGGGG-rank_NNNNN.bin"
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -64,12 +72,22 @@ def step_dir(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
+    m = _STEP_DIR.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
-def data_file(rank: int) -> str:
-    return f"data/rank_{rank:05d}.bin"
+def data_file(rank: int, generation: int) -> str:
+    """The data file `rank` of `generation` writes (relative to the step directory)."""
+    for what, n in (("rank", rank), ("generation", generation)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"data_file: {what} must be a non-negative int, not {n!r}")
+    return f"data/g{generation:06d}-rank_{rank:05d}.bin"
+
+
+def data_file_generation(name: str) -> int | None:
+    """The generation that wrote a data file, from its name; None for a first-format name or anything else."""
+    m = _DATA_FILE.fullmatch(name)
+    return int(m.group("generation")) if m and m.group("generation") is not None else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -163,7 +181,10 @@ def decode_index(data: bytes, files: dict[str, dict], where: str) -> list[Piece]
     """Parse and check the index: every row must point inside a data file the manifest lists."""
     try:
         table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        # The IPC reader checks little of the buffers: offsets that run backwards or past their data, strings that
+        # are not UTF-8 would crash the conversion below or read outside the buffer. Untrusted input: check it all.
+        table.validate(full=True)
+    except (pa.ArrowException, OSError) as exc:
         raise CheckpointError(f"{where}: {INDEX} is not a readable Arrow file ({exc})") from None
     if not table.schema.remove_metadata().equals(INDEX_SCHEMA):
         raise CheckpointError(f"{where}: {INDEX} has the schema {table.schema}, expected {INDEX_SCHEMA}")
@@ -181,7 +202,7 @@ def decode_index(data: bytes, files: dict[str, dict], where: str) -> list[Piece]
 
 def _check_piece(p: Piece, i: int, files: dict[str, dict], where: str) -> None:
     what = f"{where}/{INDEX}: row {i} ({p.key!r})"
-    if p.file not in files or not _DATA_FILE.match(p.file):
+    if p.file not in files or not _DATA_FILE.fullmatch(p.file):
         raise CheckpointError(f"{what} points to {p.file!r}, outside the checkpoint's data files")
     if p.dtype not in DTYPES:
         raise CheckpointError(f"{what} has unknown dtype {p.dtype!r}")
@@ -234,6 +255,8 @@ def decode_manifest(data: bytes, step: int, where: str) -> dict:
         m = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{what} is garbled: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{what} is garbled: nested too deeply") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise CheckpointError(f"{what} is garbled: not an {FORMAT} manifest")
     if m.get("version") != VERSION:
@@ -245,6 +268,9 @@ def decode_manifest(data: bytes, step: int, where: str) -> dict:
     ok = ok and all(isinstance(k, str) and _file_entry_ok(v) for k, v in files.items())
     if not ok or not isinstance(m.get("train_state"), dict) or not isinstance(m.get("layout"), dict):
         raise CheckpointError(f"{what} is garbled: missing or malformed files, index, layout or train_state")
+    for name in files:  # untrusted: a name like "../../x" must never reach a path
+        if not _DATA_FILE.fullmatch(name):
+            raise CheckpointError(f"{what} names a data file {name!r} that is not {DATA_FILE_FORM} inside the checkpoint")
     return m
 
 

@@ -7,7 +7,11 @@ one -- no page-cache copy, no pile of dirty pages left for `fsync` to flush.
 (Where direct I/O is refused, e.g. tmpfs, the same pipeline writes through
 the page cache.) Every file is `fsync`ed before a save reports
 done, and its directory too. Range reads `preadv` straight into the
-destination buffers; the manifest (the commit) is published by an atomic rename. Everything else
+destination buffers; the manifest (the commit) is published by an atomic rename. Below the root
+no symbolic link is ever followed (reads, writes and deletes walk the path
+with `O_NOFOLLOW` from a descriptor of the root, which itself may be a link
+the user chose): a planted link cannot make a checkpoint operation read,
+overwrite or delete anything outside. Everything else
 (`memory://`, `s3://`, any fsspec protocol) goes through fsspec, whose
 `cat_ranges` fetches many byte ranges concurrently on object stores and whose
 single PUT of a small object is atomic there.
@@ -28,15 +32,18 @@ on s3fs, where pyarrow gains nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import shutil
+import stat
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -49,6 +56,12 @@ STAGE_BYTES = 8 << 20
 STAGES = 3
 """Staging buffers per write: one being filled, up to two being written."""
 _DIRECT_ALIGN = 4096
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+
+
+class SymlinkRefused(OSError):
+    """A path below a checkpoint root runs through a symbolic link, which is never followed there."""
 
 
 class Store:
@@ -85,11 +98,10 @@ class Store:
     def write(self, rel: str, buffers: Iterable, *, durable: bool = True) -> None:
         """Write a file from a sequence of byte buffers; with `durable`, it is on stable storage on return."""
         if self.local is not None:
-            target = self.local / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _write_local(target, buffers, durable)
-            if durable:
-                _fsync_dir(target.parent)
+            with self._parent(rel, create=True) as (fd, name):
+                _write_local(fd, name, rel, buffers, durable)
+                if durable:
+                    os.fsync(fd)
             return
         self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)  # on S3: creates a missing bucket
         if self.arrow is not None:
@@ -108,18 +120,55 @@ class Store:
     def write_atomic(self, rel: str, data: bytes) -> None:
         """Publish a small file all at once: readers see the old state or the whole new file, never a part."""
         if self.local is not None:
-            target = self.local / rel
-            tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-            self.write(str(tmp.relative_to(self.local)), [data])
-            os.replace(tmp, target)
-            _fsync_dir(target.parent)
+            with self._parent(rel, create=True) as (fd, name):
+                tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+                _write_local(fd, tmp, rel, [data], durable=True)
+                os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link planted there, never its target
+                os.fsync(fd)
             return
         self.fs.pipe_file(self.path(rel), data)
+
+    def create_new(self, rel: str, data: bytes) -> bool:
+        """Publish a small file only where none exists; False if one does.
+
+        Local files: atomic and complete (a temporary file, hard-linked to the
+        name, which fails if the name exists). Object stores have no such
+        operation here: a check, then a single PUT, so two writers may both
+        see True; callers read back to detect that (see `storage.lease`).
+        """
+        if self.local is not None:
+            with self._parent(rel, create=True) as (fd, name):
+                tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+                _write_local(fd, tmp, rel, [data], durable=True)
+                try:
+                    os.link(tmp, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                    return True
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp, dir_fd=fd)
+                    os.fsync(fd)
+        if self.exists(rel):
+            return False
+        self.write_atomic(rel, data)
+        return True
+
+    def rename(self, rel: str, new_rel: str) -> None:
+        """Atomically move a local file to another name in the same directory (FileNotFoundError if it is gone)."""
+        if self.local is None:
+            raise NotImplementedError("rename: local files only")
+        with self._parent(rel) as (fd, name):
+            head, _, new_name = new_rel.rpartition("/")
+            if head != rel.rpartition("/")[0]:
+                raise ValueError(f"rename: {rel!r} and {new_rel!r} are not in one directory")
+            _parts(new_name)
+            os.rename(name, new_name, src_dir_fd=fd, dst_dir_fd=fd)
 
     # -- reading -------------------------------------------------------------
     def read(self, rel: str) -> bytes:
         if self.local is not None:
-            return (self.local / rel).read_bytes()
+            with os.fdopen(self._open_file(rel), "rb") as f:
+                return f.read()
         return self.fs.cat_file(self.path(rel))
 
     def read_into(self, rel: str, requests: list[tuple[int, list]]) -> list[int]:
@@ -129,7 +178,7 @@ class Store:
         Local files take one `preadv` per request, straight into the buffers.
         """
         if self.local is not None:
-            fd = os.open(self.local / rel, os.O_RDONLY)
+            fd = self._open_file(rel)
             try:
                 return [_preadv(fd, buffers, start) for start, buffers in requests]
             finally:
@@ -179,13 +228,19 @@ class Store:
     def open_read(self, rel: str):
         """A binary file object for streaming a whole file."""
         if self.local is not None:
-            return open(self.local / rel, "rb")
+            return os.fdopen(self._open_file(rel), "rb")
         return self.fs.open(self.path(rel), "rb")
 
     def size(self, rel: str) -> int:
         """Size in bytes; FileNotFoundError if missing."""
         if self.local is not None:
-            return (self.local / rel).stat().st_size
+            with self._parent(rel) as (fd, name):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise SymlinkRefused(errno.ELOOP, _LINK_REFUSED.format(rel))
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", rel)
+            return st.st_size
         self.fs.invalidate_cache(self.path(rel))
         info = self.fs.info(self.path(rel))
         if info.get("type") != "file":
@@ -193,17 +248,24 @@ class Store:
         return int(info["size"])
 
     def exists(self, rel: str) -> bool:
+        """Whether anything is there (a link too); SymlinkRefused if the path runs through one."""
         if self.local is not None:
-            return (self.local / rel).exists()
+            try:
+                with self._parent(rel) as (fd, name):
+                    os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+            return True
         self.fs.invalidate_cache(self.path(rel))
         return self.fs.exists(self.path(rel))
 
     def list_dirs(self) -> list[str]:
-        """Names of the directories (or object prefixes) directly under the root."""
+        """Names of the directories (or object prefixes) directly under the root, and of links there (never followed)."""
         if self.local is not None:
             if not self.local.is_dir():
                 return []
-            return sorted(p.name for p in self.local.iterdir() if p.is_dir())
+            with os.scandir(self.local) as entries:
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False) or e.is_symlink())
         self.fs.invalidate_cache(self.root)  # object-store listings are cached by fsspec
         try:
             entries = self.fs.ls(self.root, detail=True)
@@ -213,8 +275,16 @@ class Store:
 
     # -- removing ------------------------------------------------------------
     def remove_tree(self, rel: str) -> None:
+        """Delete a directory and everything in it; a link there is removed itself, what it points to stays."""
         if self.local is not None:
-            shutil.rmtree(self.local / rel, ignore_errors=True)
+            try:
+                with self._parent(rel) as (fd, name):
+                    if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                        shutil.rmtree(name, dir_fd=fd, ignore_errors=True)  # fd-based: follows no link inside
+                    else:
+                        os.unlink(name, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError, SymlinkRefused):
+                pass  # nothing of this checkpoint there
             return
         try:
             self.fs.rm(self.path(rel), recursive=True)
@@ -223,7 +293,11 @@ class Store:
 
     def remove(self, rel: str) -> None:
         if self.local is not None:
-            (self.local / rel).unlink(missing_ok=True)
+            try:
+                with self._parent(rel) as (fd, name):
+                    os.unlink(name, dir_fd=fd)  # a link is removed itself, never its target
+            except (FileNotFoundError, NotADirectoryError, SymlinkRefused):
+                pass  # nothing of this checkpoint there
             return
         try:
             self.fs.rm_file(self.path(rel))
@@ -233,13 +307,88 @@ class Store:
     def sync_dir(self, rel: str = "") -> None:
         """Make the entries of a directory durable (local files; object stores have no directories)."""
         if self.local is not None:
-            _fsync_dir(self.local / rel if rel else self.local)
+            fd = self._open_dir(rel)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def makedirs(self) -> None:
         if self.local is not None:
             self.local.mkdir(parents=True, exist_ok=True)
         else:
             self.fs.makedirs(self.root, exist_ok=True)
+
+    # -- local paths, walked without following links ----------------------------------------------------------
+    def _open_dir(self, rel: str, *, create: bool = False) -> int:
+        """A descriptor of the directory `rel` below the root (created with `create`), no link followed on the way."""
+        parts = _parts(rel)
+        if create:
+            self.local.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.local, _DIR_FLAGS)  # the root itself may be a link: the user chose it
+        try:
+            for i, name in enumerate(parts):
+                if create:
+                    try:
+                        os.mkdir(name, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    sub = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, fd):
+                        raise SymlinkRefused(errno.ELOOP, _LINK_REFUSED.format("/".join(parts[: i + 1]))) from None
+                    raise
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextmanager
+    def _parent(self, rel: str, *, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(descriptor of the parent directory, file name) of `rel`, for the `*at` calls."""
+        head, _, name = rel.rpartition("/")
+        _parts(name)
+        fd = self._open_dir(head, create=create)
+        try:
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _open_file(self, rel: str) -> int:
+        """A read-only descriptor of the file `rel`; SymlinkRefused if it, or a directory above it, is a link."""
+        with self._parent(rel) as (fd, name):
+            return _open_at(fd, name, os.O_RDONLY, rel)
+
+
+_LINK_REFUSED = "{} is a symbolic link (links are not followed below the checkpoint root)"
+
+
+def _parts(rel: str) -> list[str]:
+    """The components of a path below the root; anything that could leave it is a bug of the caller."""
+    parts = rel.split("/") if rel else []
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"{rel!r} is not a path below the checkpoint root")
+    return parts
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _open_at(dir_fd: int, name: str, flags: int, shown: str, mode: int = 0o644) -> int:
+    """`os.open` of a name in a directory without following a link there; `shown` names the file in the error."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | _CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkRefused(errno.ELOOP, _LINK_REFUSED.format(shown)) from None
+        raise
 
 
 # -- s3:// bulk bytes through pyarrow -----------------------------------------------------------------------------
@@ -384,14 +533,6 @@ def _preadv(fd: int, buffers: list, start: int) -> int:
     return done
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- data-file writes: staged, checksummed in the copy, O_DIRECT where possible ---------------------------------
 _free_stages: list[list[memoryview]] = []
 _stages_lock = threading.Lock()
@@ -418,19 +559,24 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _DirectFile:
-    """A file written at aligned offsets with O_DIRECT, falling back to the page cache where that is refused."""
+    """A file written at aligned offsets with O_DIRECT, falling back to the page cache where that is refused.
 
-    def __init__(self, path: Path):
-        self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    Opened by name in its directory's descriptor, never through a link (`shown` names it in errors).
+    """
+
+    def __init__(self, dir_fd: int, name: str, shown: str):
+        self.dir_fd, self.name, self.shown = dir_fd, name, shown
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.fd, self.direct = None, False
         if _O_DIRECT:
             try:
-                self.fd, self.direct = os.open(path, flags | _O_DIRECT, 0o644), True
+                self.fd, self.direct = _open_at(dir_fd, name, flags | _O_DIRECT, shown), True
+            except SymlinkRefused:
+                raise
             except OSError:
                 pass
         if self.fd is None:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = _open_at(dir_fd, name, flags, shown)
 
     def pwrite(self, view: memoryview, offset: int) -> None:
         if self.direct:
@@ -441,21 +587,21 @@ class _DirectFile:
                 if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP: this filesystem takes no direct I/O after all
                     raise
                 os.close(self.fd)
-                self.fd, self.direct = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)), False
+                self.fd, self.direct = _open_at(self.dir_fd, self.name, os.O_WRONLY, self.shown), False
         _pwrite_all(self.fd, view, offset)
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-def _write_local(path: Path, buffers: Iterable, durable: bool) -> int:
+def _write_local(dir_fd: int, name: str, shown: str, buffers: Iterable, durable: bool) -> int:
     """Write a file from a stream of buffers: copied into staging buffers on this thread, `pwrite` on another; returns its size.
 
     The copy reads each buffer right after the caller produced it (a writer
     that checksums a block and then yields it has it in cache), and the
     previous staging buffer is being written meanwhile.
     """
-    f = _DirectFile(path)
+    f = _DirectFile(dir_fd, name, shown)
     stages = _take_stages()
     pending: list[Future | None] = [None] * len(stages)
     slot, fill, base = 0, 0, 0  # current staging buffer, bytes in it, its file offset

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from storage.boxes import Box, PieceIndex
-from storage.catalog import _manifest, read_index
+from storage.catalog import _manifest, read_index, unreadable
 from storage.format import DTYPES, CheckpointError, Piece, crc32, step_dir
 from storage.fs import Store
 from storage.state import local_view, state_tensors, tensor_boxes
@@ -204,6 +204,8 @@ def _read_group(store: Store, path: str, group: list[_Need], targets) -> None:
         got = store.read_into(path, [(start, buffers)])[0]
     except FileNotFoundError:
         raise CheckpointError(f"{name} is missing") from None
+    except OSError as exc:
+        raise unreadable(name, exc) from None
     if got != end - start:
         raise CheckpointError(f"{name} is truncated: it ends before byte {end}")
     _check_and_place(checks, name, targets)
@@ -221,6 +223,8 @@ def _load_object(store: Store, step: int, rel: str, groups: list[list[_Need]], t
         got = store.read_into(path, [(start, buffers) for start, buffers, _, _ in requests])
     except FileNotFoundError:
         raise CheckpointError(f"{name} is missing") from None
+    except OSError as exc:
+        raise unreadable(name, exc) from None
     for (start, _, end, _), n in zip(requests, got):
         if n != end - start:
             raise CheckpointError(f"{name} is truncated: it ends before byte {end}")

@@ -1,17 +1,21 @@
 """Saving: every rank writes its own data file, one coordinator commits.
 
 `write_shards` needs no communication: a rank writes its pieces back to back
-into `data/rank_NNNNN.bin`, fsyncs, and returns the index rows. The
+into `data/gGGGGGG-rank_NNNNN.bin` (its generation and rank), fsyncs, and
+returns the index rows. The
 coordinator (the controller under Ray, rank 0 in a plain torch.distributed
 program via `gather_and_commit`) checks that the rows cover every tensor,
 writes the Arrow index, and then the manifest, atomically, last. Until the
 manifest exists the directory is not a checkpoint, so a crash at any point of
-a save leaves nothing that looks committed.
+a save leaves nothing that looks committed. The commit takes only files of the
+generation that commits: a late write of an earlier one (a reused process
+still writing in the background) has a name of its own and is never listed.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -31,6 +35,7 @@ from storage.format import (
     crc32,
     crc32_combine,
     data_file,
+    data_file_generation,
     dtype_name,
     encode_index,
     encode_manifest,
@@ -43,8 +48,10 @@ _BLOCK = 1 << 20
 """A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
 
 
-def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> list[dict]:
-    """Write this rank's pieces of `tensors` (live tensors or a `snapshot`); returns JSON-able index rows.
+def write_shards(
+    uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None
+) -> list[dict]:
+    """Write this rank's pieces of `tensors` (live tensors or a `snapshot`) into its file of `generation`; returns JSON-able index rows.
 
     Pieces stream into one file, each at a multiple of `ALIGN` bytes; each
     piece is read once (copied out and checksummed in the same pass), and the
@@ -57,7 +64,7 @@ def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_optio
     plan = plan_writes(tensors)
     if not any(part.pieces for part in plan.values()):
         return []
-    rel = data_file(rank)
+    rel = data_file(rank, generation)
     rows: list[dict] = []
     offset = 0
     for key, part in plan.items():
@@ -101,13 +108,30 @@ def write_shards(uri: str, step: int, rank: int, tensors: dict, *, storage_optio
 
 
 def commit(
-    uri: str, step: int, rows: list[dict], *, layout: dict, train_state: dict, storage_options: dict | None = None
+    uri: str,
+    step: int,
+    rows: list[dict],
+    *,
+    generation: int,
+    layout: dict,
+    train_state: dict,
+    storage_options: dict | None = None,
 ) -> dict:
-    """Write the index, then the manifest (the commit). `rows` are all ranks' `write_shards` rows; returns the manifest."""
+    """Write the index, then the manifest (the commit); returns the manifest.
+
+    `rows` are all ranks' `write_shards` rows of `generation`, the generation
+    that commits: a row naming a file of any other generation is refused.
+    """
     store = Store(uri, storage_options)
     where = store.describe(step_dir(step))
     files: dict[str, dict] = {}
     for row in rows:
+        written_by = data_file_generation(row["file"])
+        if written_by != generation:
+            raise CheckpointError(
+                f"{where}: a row names {row['file']!r}, not a file of generation {generation}, which commits "
+                "(a late write of another generation?)"
+            )
         entry = {"bytes": row["file_bytes"], "crc32": row["file_crc32"]}
         if files.setdefault(row["file"], entry) != entry:
             raise CheckpointError(f"{where}: rows disagree about {row['file']}")
@@ -126,6 +150,7 @@ def commit(
         "format": FORMAT,
         "version": VERSION,
         "step": step,
+        "generation": generation,
         "created_unix": time.time(),
         "layout": dict(layout),
         "train_state": train_state,
@@ -140,7 +165,15 @@ def commit(
 
 
 def gather_and_commit(
-    uri: str, step: int, rows: list[dict], *, layout: dict, train_state: dict, group=None, storage_options: dict | None = None
+    uri: str,
+    step: int,
+    rows: list[dict],
+    *,
+    generation: int,
+    layout: dict,
+    train_state: dict,
+    group=None,
+    storage_options: dict | None = None,
 ) -> None:
     """For a plain torch.distributed program: gather every rank's rows on rank 0 (as JSON bytes), commit there.
 
@@ -164,7 +197,7 @@ def gather_and_commit(
             all_rows = []
             for buf, size in zip(gathered, sizes):
                 all_rows.extend(json.loads(bytes(buf[: int(size.item())].cpu().numpy())))
-            commit(uri, step, all_rows, layout=layout, train_state=train_state, storage_options=storage_options)
+            commit(uri, step, all_rows, generation=generation, layout=layout, train_state=train_state, storage_options=storage_options)
         except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised here
             error = exc
             status.fill_(1)
@@ -186,23 +219,33 @@ class BackgroundWriter:
     but do not change it, and calls `wait_snapshot()` before its optimizer
     step: the time blocked there, plus any wait in `submit`, is the save's
     training stall.
+
+    `close` may be called from any thread (a trainer told to stop): it refuses
+    further saves and waits for the one in flight, for at most `timeout_s`.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._lock = threading.Lock()  # `_closed` and `_last` between `submit` and a `close` on another thread
+        self._closed = False
         self._last: Future | None = None
         self._copied: Future | None = None
         self._waited = 0.0
         self._buffers = SnapshotPool()
 
-    def submit(self, uri: str, step: int, rank: int, tensors: dict, *, storage_options: dict | None = None) -> Future:
+    def submit(
+        self, uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None
+    ) -> Future:
         """Start saving `tensors`; returns a future of `write_shards`' rows. Call `wait_snapshot()` before changing them."""
         t0 = time.perf_counter()
-        if self._last is not None:
-            wait_futures([self._last])
+        with self._lock:
+            self._check_open(step)
+            last = self._last
+        if last is not None:
+            wait_futures([last])
         self._waited = time.perf_counter() - t0
         plan, ready = plan_writes(tensors), compute_done(tensors)
-        copied = self._copied = Future()
+        copied = Future()
 
         def copy_and_write() -> list[dict]:
             try:
@@ -211,10 +254,17 @@ class BackgroundWriter:
                 copied.set_exception(exc)
                 raise
             copied.set_result(None)
-            return write_shards(uri, step, rank, plan, storage_options=storage_options)
+            return write_shards(uri, step, rank, plan, generation=generation, storage_options=storage_options)
 
-        self._last = self._pool.submit(copy_and_write)
-        return self._last
+        with self._lock:
+            self._check_open(step)  # closed while this waited for the previous save
+            self._copied = copied
+            self._last = self._pool.submit(copy_and_write)
+            return self._last
+
+    def _check_open(self, step: int) -> None:
+        if self._closed:
+            raise CheckpointError(f"the background writer is closed: step {step} is not saved")
 
     def wait_snapshot(self) -> float:
         """Block until the last save has copied the state, which training may change from then on.
@@ -229,7 +279,18 @@ class BackgroundWriter:
         copied.result()
         return self._waited + time.perf_counter() - t0
 
-    def close(self) -> None:
-        """Wait for the save in flight, then stop the thread (and drop the snapshot buffers)."""
-        self._pool.shutdown(wait=True)
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuse further saves, wait for the save in flight, then stop the thread and drop the snapshot buffers.
+
+        Returns False when that save did not finish within `timeout_s` (None:
+        no limit); it then goes on in the background, into its own
+        generation's files, and `close` may be called again.
+        """
+        with self._lock:
+            self._closed = True
+            last = self._last
+        if last is not None and not wait_futures([last], timeout=timeout_s).done:
+            return False
+        self._pool.shutdown(wait=True)  # the thread is idle now; joining it also waits for the future's callbacks
         self._buffers = SnapshotPool()
+        return True

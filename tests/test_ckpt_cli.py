@@ -13,8 +13,8 @@ from storage.format import data_file, step_dir
 
 def _save(uri: str, step: int) -> None:
     state = {"model.w": torch.arange(12.0).view(3, 4), "optim.w.step": torch.tensor(float(step))}
-    rows = storage.write_shards(uri, step, 0, state)
-    storage.commit(uri, step, rows, layout={"pp": 1, "dp_shard": 4}, train_state={"step": step, "data_cursor": 8 * step})
+    rows = storage.write_shards(uri, step, 0, state, generation=1)
+    storage.commit(uri, step, rows, layout={"pp": 1, "dp_shard": 4}, train_state={"step": step, "data_cursor": 8 * step}, generation=1)
 
 
 def test_list_inspect_verify(tmp_path, capsys):
@@ -30,7 +30,7 @@ def test_list_inspect_verify(tmp_path, capsys):
 
     assert main(["ckpt", "inspect", uri]) == 0
     out = capsys.readouterr().out
-    assert "step 20" in out and "model.w  float32[3, 4]" in out and '"data_cursor": 160' in out and data_file(0) in out
+    assert "step 20" in out and "model.w  float32[3, 4]" in out and '"data_cursor": 160' in out and data_file(0, 1) in out
     assert main(["ckpt", "inspect", uri, "--step", "10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["train_state"]["step"] == 10
 
@@ -42,7 +42,7 @@ def test_verify_fails_with_the_file_named(tmp_path, capsys):
     uri = str(tmp_path)
     _save(uri, 10)
     _save(uri, 20)
-    path = tmp_path / step_dir(20) / data_file(0)
+    path = tmp_path / step_dir(20) / data_file(0, 1)
     raw = bytearray(path.read_bytes())
     raw[5] ^= 1
     path.write_bytes(bytes(raw))

@@ -91,7 +91,7 @@ class ScriptedGroup:
                 rec.update(loss_sum=1.0, samples=self.sampler.rank_indices(step, self.layout.dp_rank(r), self.layout.dp))
             records = [rec]
             if done % self.cfg.checkpoint.every_steps == 0 or done == self.cfg.training.steps or done == self.stop_at:
-                rows = storage.write_shards(self.cfg.checkpoint.uri, done, r, {f"model.r{r}": torch.full((3,), float(done))})
+                rows = storage.write_shards(self.cfg.checkpoint.uri, done, r, {f"model.r{r}": torch.full((3,), float(done))}, generation=self.gen)
                 records.append({"kind": "saved", "step": done, "rows": rows, "save_s": 0.01})
             out.append(RankStatus(r, True, RankState(self.gen, step, phase, 0.0, records, finished=done >= self.cfg.training.steps)))
         self.step = done

@@ -118,8 +118,8 @@ def test_fsdp_trains_on_the_gpu_and_its_checkpoint_loads_bit_exact_on_gpu_and_cp
     uri = str(tmp_path / "ckpt")
     live = storage.state_tensors(pm.model_parts, opt)
     assert all(t.is_cuda for k, t in live.items() if not k.endswith(".step")), [k for k, t in live.items() if not t.is_cuda]
-    rows = storage.write_shards(uri, STEPS, 0, storage.snapshot(live))
-    storage.commit(uri, STEPS, rows, layout=layout.as_dict(), train_state={"step": STEPS})
+    rows = storage.write_shards(uri, STEPS, 0, storage.snapshot(live), generation=1)
+    storage.commit(uri, STEPS, rows, layout=layout.as_dict(), train_state={"step": STEPS}, generation=1)
     fresh, fresh_opt = _gpu_model(cfg, layout, MixedPrecisionPolicy())
     storage.load_training_state(uri, STEPS, fresh.model_parts, fresh_opt)
     loaded = storage.state_tensors(fresh.model_parts, fresh_opt)

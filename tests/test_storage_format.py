@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 import json
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,11 +21,14 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 import storage
+import storage.fs
 from storage.boxes import PieceIndex, chunk_bounds, intersect, local_boxes, split_rows
 from storage.format import INDEX, MANIFEST, data_file, step_dir
 from storage.state import local_view
 
 ROOT = Path(__file__).resolve().parents[1]
+GEN = 1
+"""The generation the tests' saves are written and committed by."""
 
 
 # -- box arithmetic ------------------------------------------------------------------
@@ -113,9 +120,9 @@ def _save(uri: str, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A two-file checkpoint written as two 'ranks' with disjoint keys."""
     state = _state(seed)
     keys = sorted(state)
-    rows = storage.write_shards(uri, step, 0, {k: state[k] for k in keys[:2]})
-    rows += storage.write_shards(uri, step, 1, {k: state[k] for k in keys[2:]})
-    storage.commit(uri, step, rows, layout={"dp_shard": 2}, train_state={"step": step, "seeds": [seed]})
+    rows = storage.write_shards(uri, step, 0, {k: state[k] for k in keys[:2]}, generation=GEN)
+    rows += storage.write_shards(uri, step, 1, {k: state[k] for k in keys[2:]}, generation=GEN)
+    storage.commit(uri, step, rows, layout={"dp_shard": 2}, train_state={"step": step, "seeds": [seed]}, generation=GEN)
     return state
 
 
@@ -148,7 +155,7 @@ def test_load_rejects_wrong_shape_and_missing_key(tmp_path):
 
 
 def _data(tmp_path, step=1, rank=0) -> Path:
-    return tmp_path / step_dir(step) / data_file(rank)
+    return tmp_path / step_dir(step) / data_file(rank, GEN)
 
 
 def _flip(path: Path, at: int) -> None:
@@ -218,7 +225,7 @@ def _rewrite_index(tmp_path, step: int, mutate) -> None:
 @pytest.mark.parametrize(
     "mutate,match",
     [
-        (lambda rows: rows[0].update(byte_offset=10_000), r"outside data/rank_0000\d\.bin"),
+        (lambda rows: rows[0].update(byte_offset=10_000), r"outside data/g000001-rank_0000\d\.bin"),
         (lambda rows: rows[0].update(file="../../../etc/passwd"), r"'\.\./\.\./\.\./etc/passwd', outside the checkpoint"),
         (lambda rows: rows[0].update(file="data/rank_00007.bin"), r"'data/rank_00007\.bin', outside the checkpoint"),
         (lambda rows: rows[0].update(offsets=[4, 0], lengths=[5, 7]), r"outside its shape"),
@@ -232,6 +239,43 @@ def test_index_row_pointing_outside(tmp_path, mutate, match):
         storage.verify(str(tmp_path), 1)
     with pytest.raises(storage.CheckpointError, match=match):
         storage.load_shards(str(tmp_path), 1, _empty_like(state))
+
+
+def _index_with_keys(tmp_path, step: int, offsets: list[int], data: bytes) -> None:
+    """Replace the index's `key` column by raw buffers (offsets, UTF-8 bytes), sealed in the manifest: a forged index."""
+    import pyarrow as pa
+
+    from storage.format import INDEX_COLUMNS, INDEX_SCHEMA, crc32
+
+    d = tmp_path / step_dir(step)
+    table = pa.ipc.open_file(pa.py_buffer((d / INDEX).read_bytes())).read_all().combine_chunks()
+    keys = pa.Array.from_buffers(pa.string(), len(offsets) - 1, [None, pa.py_buffer(bytes(memoryview(array("i", offsets)))), pa.py_buffer(data)])
+    forged = pa.Table.from_arrays([keys if n == "key" else table.column(n).chunk(0) for n in INDEX_COLUMNS], schema=INDEX_SCHEMA)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, INDEX_SCHEMA) as writer:
+        writer.write_table(forged)
+    raw = sink.getvalue().to_pybytes()
+    (d / INDEX).write_bytes(raw)
+    m = json.loads((d / MANIFEST).read_text())
+    m["index"].update(bytes=len(raw), crc32=crc32(raw))
+    (d / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize(
+    "offsets,data",
+    [
+        ([0, 9, 7], b"model.b" + b"model.w"),  # offsets that run backwards: crashed the decode (SystemError)
+        ([0, 7, 14], b"\xffodel.b" + b"model.w"),  # not UTF-8: crashed the decode (UnicodeDecodeError)
+    ],
+)
+def test_index_with_corrupt_buffers_is_named(tmp_path, offsets, data):
+    state = {"model.b": torch.ones(3), "model.w": torch.zeros(2)}
+    rows = storage.write_shards(str(tmp_path), 1, 0, state, generation=GEN)
+    storage.commit(str(tmp_path), 1, rows, layout={}, train_state={}, generation=GEN)
+    _index_with_keys(tmp_path, 1, offsets, data)
+    with pytest.raises(storage.CheckpointError, match=r"index\.arrow is not a readable Arrow file .*(offset|UTF8)"):
+        storage.verify(str(tmp_path), 1)
+    assert storage.latest_valid(str(tmp_path)) is None
 
 
 def test_corrupt_index_is_named(tmp_path):
@@ -256,8 +300,8 @@ def test_retention_and_incomplete_dirs(tmp_path):
     uri = str(tmp_path)
     for step in (1, 2, 3, 4):
         _save(uri, step)
-    storage.write_shards(uri, 0, 0, _state())  # an old save that never committed
-    storage.write_shards(uri, 5, 0, _state())  # a save in flight
+    storage.write_shards(uri, 0, 0, _state(), generation=GEN)  # an old save that never committed
+    storage.write_shards(uri, 5, 0, _state(), generation=GEN)  # a save in flight
     assert storage.retain(uri, 2) == [2, 1, 0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir(3), step_dir(4), step_dir(5)]
     assert [c["step"] for c in storage.list_checkpoints(uri)] == [4, 3]
@@ -281,8 +325,8 @@ _KILLER = textwrap.dedent(
     uri, point = sys.argv[1], sys.argv[2]
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     state = {"model.w": torch.arange(4096.0).view(64, 64), "model.b": torch.ones(3)}
-    rows = storage.write_shards(uri, 1, 0, state)
-    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1})
+    rows = storage.write_shards(uri, 1, 0, state, generation=1)
+    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, generation=1)
 
     write, write_atomic, replace = sfs.Store.write, sfs.Store.write_atomic, os.replace
     def partial_write(self, rel, buffers, durable=True):
@@ -298,9 +342,9 @@ _KILLER = textwrap.dedent(
     elif point == "before_manifest":
         sfs.Store.write_atomic = lambda self, rel, data: die()
     elif point == "manifest_rename":
-        sfs.os.replace = lambda a, b: die()
-    rows = storage.write_shards(uri, 2, 0, {k: v + 1 for k, v in state.items()})
-    storage.commit(uri, 2, rows, layout={}, train_state={"step": 2})
+        sfs.os.replace = lambda *args, **kwargs: die()
+    rows = storage.write_shards(uri, 2, 0, {k: v + 1 for k, v in state.items()}, generation=1)
+    storage.commit(uri, 2, rows, layout={}, train_state={"step": 2}, generation=1)
     """
 )
 
@@ -355,7 +399,7 @@ def test_planted_pickle_is_never_unpickled(tmp_path):
     with pytest.raises(storage.CheckpointError, match="not a readable Arrow file"):
         storage.load_shards(uri, 1, _empty_like(state))
     # ... and in place of a data file and of the manifest.
-    (d / data_file(0)).write_bytes(payload)
+    (d / data_file(0, GEN)).write_bytes(payload)
     with pytest.raises(storage.CheckpointError):
         storage.verify(uri, 1)
     (d / MANIFEST).write_bytes(payload)
@@ -372,7 +416,7 @@ def test_corrupt_newest_and_remove_all(tmp_path):
     _save(uri, 1)
     _save(uri, 2)
     target = storage.corrupt_newest(uri, seed=3)
-    assert target.startswith(f"{tmp_path}/{step_dir(2)}/data/rank_0000")
+    assert target.startswith(f"{tmp_path}/{step_dir(2)}/data/g000001-rank_0000")
     skipped = []
     assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append(s)) == 1 and skipped == [2]
     (tmp_path / "notes.txt").write_text("kept")
@@ -388,7 +432,7 @@ def test_background_writer_saves_the_snapshot(tmp_path):
     writer = storage.BackgroundWriter()
     futures = []
     for step in (1, 2):
-        future = writer.submit(uri, step, 0, state)
+        future = writer.submit(uri, step, 0, state, generation=GEN)
         assert writer.wait_snapshot() >= 0
         assert writer.wait_snapshot() == 0.0  # nothing left to wait for
         for v in state.values():  # training goes on and changes the live tensors
@@ -396,7 +440,7 @@ def test_background_writer_saves_the_snapshot(tmp_path):
         futures.append(future)
     writer.close()
     for step, future in zip((1, 2), futures):
-        storage.commit(uri, step, future.result(), layout={}, train_state={"step": step})
+        storage.commit(uri, step, future.result(), layout={}, train_state={"step": step}, generation=GEN)
     template = _empty_like(state)
     storage.load_shards(uri, 1, template)
     assert all(torch.equal(template[k], expected[k]) for k in expected)
@@ -431,3 +475,244 @@ def test_shallow_verify_checks_structure_not_data(tmp_path):
     assert storage.latest_valid(uri, deep=False) == 2 and storage.latest_valid(uri) == 1
     _data(tmp_path, step=2, rank=1).unlink()
     assert storage.latest_valid(uri, deep=False) == 1
+
+
+# -- retention: the newest checkpoint that verifies is never deleted -------------------------------------------
+def _garble(tmp_path, step: int) -> None:
+    (tmp_path / step_dir(step) / MANIFEST).write_text("garbage{")
+
+
+def _steps_on_disk(tmp_path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in tmp_path.iterdir() if p.name.startswith("step_"))
+
+
+def test_retention_keeps_the_newest_valid_checkpoint_and_the_save_in_progress(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 50)
+    _garble(tmp_path, 50)  # e.g. an old run's checkpoint, garbled
+    _save(uri, 10)
+    storage.write_shards(uri, 12, 0, _state(), generation=GEN)  # a save of step 12 in progress: no manifest yet
+    assert storage.retain(uri, 1, in_progress=[12]) == []
+    assert storage.retain(uri, 1) == []  # 12 is newer than the newest valid checkpoint: not cleaned either
+    assert _steps_on_disk(tmp_path) == [10, 12, 50]
+    assert storage.latest_valid(uri) == 10
+
+
+def test_retention_counts_only_checkpoints_that_verify(tmp_path):
+    uri = str(tmp_path)
+    for step in (5, 10, 20, 25, 30, 40):
+        _save(uri, step)
+    _garble(tmp_path, 25)
+    (tmp_path / step_dir(40) / INDEX).unlink()  # committed, but broken
+    storage.write_shards(uri, 3, 0, _state(), generation=GEN)  # an old save that never committed
+    storage.write_shards(uri, 15, 0, _state(), generation=GEN)  # below the newest valid checkpoint, but still being written
+    storage.write_shards(uri, 35, 0, _state(), generation=GEN)  # a save in flight
+    # Kept: 30 and 20 (the two newest that verify), 40 (broken, newer: kept for inspection), 35 and 15 (in progress).
+    assert storage.retain(uri, 2, in_progress=[15]) == [25, 10, 5, 3]
+    assert _steps_on_disk(tmp_path) == [15, 20, 30, 35, 40]
+    assert storage.retain(uri, 2) == [15]  # no longer in progress: below the newest valid checkpoint, cleaned
+    assert storage.latest_valid(uri) == 30
+
+
+def test_retention_without_a_valid_checkpoint_deletes_nothing(tmp_path):
+    uri = str(tmp_path)
+    _save(uri, 5)
+    _save(uri, 7)
+    _garble(tmp_path, 7)
+    (tmp_path / step_dir(5) / data_file(1, GEN)).unlink()
+    storage.write_shards(uri, 2, 0, _state(), generation=GEN)
+    assert storage.retain(uri, 1) == []
+    assert _steps_on_disk(tmp_path) == [2, 5, 7]
+
+
+# -- I/O errors and hostile manifests fall back to an older checkpoint ----------------------------------------------
+def _nested_manifest(path: Path) -> None:
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        (lambda d: ((d / MANIFEST).unlink(), (d / MANIFEST).mkdir()), r"manifest\.json cannot be read: Is a directory"),
+        (lambda d: ((d / INDEX).unlink(), (d / INDEX).mkdir()), r"index\.arrow cannot be read: Is a directory"),
+        (lambda d: _nested_manifest(d / MANIFEST), r"manifest\.json is garbled: nested too deeply"),
+    ],
+)
+def test_unreadable_checkpoint_is_skipped_with_the_reason(tmp_path, damage, match):
+    uri = str(tmp_path)
+    _save(uri, 1)
+    _save(uri, 2)
+    damage(tmp_path / step_dir(2))
+    with pytest.raises(storage.CheckpointError, match=match):
+        storage.verify(uri, 2)
+    skipped = []
+    assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append((s, why))) == 1
+    assert [s for s, _ in skipped] == [2] and re.search(match, skipped[0][1])
+    listed = storage.list_checkpoints(uri)
+    assert [c["step"] for c in listed] == [2, 1] and ("error" in listed[0]) == ("manifest" in match)
+    assert storage.retain(uri, 1) == []  # newer than the newest valid checkpoint: kept for inspection
+    assert storage.clean_incomplete(uri) == []  # it has a manifest (of sorts): not an incomplete save
+
+
+# -- untrusted names and planted links never reach outside the checkpoint --------------------------------------------
+@pytest.mark.parametrize("name", ["../../x", "/tmp/x", "data/../../../x", "data/rank_00000.bin/../../../x", "data/rank_00000.bin\n"])
+def test_manifest_naming_a_file_outside_is_refused(tmp_path, name):
+    outside = tmp_path / "x"
+    outside.write_bytes(b"12345")
+    uri = str(tmp_path / "ck")
+    _save(uri, 1)
+    path = tmp_path / "ck" / step_dir(1) / MANIFEST
+    m = json.loads(path.read_text())
+    m["files"] = {name: {"bytes": 5, "crc32": 0}}  # the only file, so that corrupt_newest would pick it
+    path.write_text(json.dumps(m))
+    with pytest.raises(storage.CheckpointError, match=re.escape(repr(name)) + " that is not data/gGGGGGG-rank_NNNNN.bin"):
+        storage.verify(uri, 1)
+    assert storage.corrupt_newest(uri) is None  # the only checkpoint's manifest is refused: nothing to corrupt
+    assert outside.read_bytes() == b"12345"
+
+
+def _outside_copy(tmp_path, step: int) -> Path:
+    """A valid checkpoint of `step` in a directory outside the checkpoint root under test."""
+    _save(str(tmp_path / "outside"), step, seed=9)
+    return tmp_path / "outside" / step_dir(step)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_step_dir_that_is_a_link_is_never_followed(tmp_path):
+    uri = str(tmp_path / "ck")
+    target = _outside_copy(tmp_path, 3)
+    before = _tree(target)
+    _save(uri, 2)
+    (tmp_path / "ck" / step_dir(3)).symlink_to(target, target_is_directory=True)
+    with pytest.raises(storage.CheckpointError, match=r"step_00000003/manifest\.json cannot be read: step_00000003 is a symbolic link"):
+        storage.verify(uri, 3)
+    with pytest.raises(storage.CheckpointError, match="step_00000003 is a symbolic link"):
+        storage.load_shards(uri, 3, _empty_like(_state()))
+    skipped = []
+    assert storage.latest_valid(uri, on_skip=lambda s, why: skipped.append(s)) == 2 and skipped == [3]
+    assert "error" in storage.list_checkpoints(uri)[0]
+    assert storage.corrupt_newest(uri).startswith(f"{uri}/{step_dir(2)}/")  # the link's checkpoint is skipped
+    with pytest.raises(OSError, match="step_00000003 is a symbolic link"):
+        storage.write_shards(uri, 3, 0, _state(), generation=GEN)  # a save never writes through it either
+    assert storage.retain(uri, 1) == []  # newer than the newest valid checkpoint: kept for inspection
+    assert storage.remove_all(uri) == [3, 2]
+    assert not (tmp_path / "ck" / step_dir(3)).is_symlink() and _tree(target) == before
+    # Older than the newest valid checkpoint, retention deletes the link, not what it points to.
+    _save(uri, 4)
+    (tmp_path / "ck" / step_dir(3)).symlink_to(target, target_is_directory=True)
+    assert storage.retain(uri, 1) == [3] and _tree(target) == before
+
+
+def test_data_file_or_data_dir_that_is_a_link_is_never_followed(tmp_path):
+    uri = str(tmp_path / "ck")
+    target = _outside_copy(tmp_path, 1)
+    before = _tree(target)
+    _save(uri, 1)
+    link = tmp_path / "ck" / step_dir(1) / data_file(0, GEN)
+    link.unlink()
+    link.symlink_to(target / data_file(0, GEN))  # the same bytes: following it would verify
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin cannot be read: .*rank_00000\.bin is a symbolic link"):
+        storage.verify(uri, 1)
+    with pytest.raises(storage.CheckpointError, match=r"rank_00000\.bin is a symbolic link"):
+        storage.load_shards(uri, 1, _empty_like(_state()))
+    assert storage.latest_valid(uri) is None
+    for seed in range(6):  # whichever file it picks, the outside one is never written
+        try:
+            storage.corrupt_newest(uri, seed=seed)
+        except storage.CheckpointError as exc:
+            assert "symbolic link" in str(exc)
+    assert _tree(target) == before
+    data_dir = tmp_path / "ck" / step_dir(1) / "data"
+    shutil.rmtree(data_dir)
+    data_dir.symlink_to(target / "data", target_is_directory=True)
+    with pytest.raises(storage.CheckpointError, match=r"step_00000001/data is a symbolic link"):
+        storage.verify(uri, 1)
+    with pytest.raises(OSError, match="data is a symbolic link"):
+        storage.write_shards(uri, 1, 0, _state(), generation=GEN)
+    assert storage.remove_all(uri) == [1] and _tree(target) == before
+
+
+def test_root_that_is_a_link_is_followed(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "root").symlink_to(tmp_path / "real", target_is_directory=True)
+    uri = str(tmp_path / "root")
+    state = _save(uri, 1)
+    assert storage.verify(uri, 1)["step"] == 1 and storage.latest_valid(uri) == 1
+    template = _empty_like(state)
+    storage.load_shards(uri, 1, template)
+    assert all(torch.equal(template[k], state[k]) for k in state)
+    assert (tmp_path / "real" / step_dir(1) / MANIFEST).is_file()
+
+
+# -- generations: a late write of an earlier one never lands in the next one's checkpoint ---------------------------
+def test_late_write_of_an_earlier_generation_is_fenced_by_name(tmp_path):
+    uri = str(tmp_path)
+    old, new = _state(seed=1), _state(seed=2)
+    rows = storage.write_shards(uri, 7, 0, new, generation=4)
+    storage.commit(uri, 7, rows, layout={}, train_state={"step": 7}, generation=4)
+    late = storage.write_shards(uri, 7, 0, old, generation=3)  # a warm process of generation 3, still writing step 7
+    assert {r["file"] for r in rows} == {"data/g000004-rank_00000.bin"} and {r["file"] for r in late} == {"data/g000003-rank_00000.bin"}
+    assert storage.verify(uri, 7)["generation"] == 4
+    template = _empty_like(new)
+    storage.load_shards(uri, 7, template)
+    assert all(torch.equal(template[k], new[k]) for k in new)
+    # A commit lists only files of the generation that commits.
+    with pytest.raises(storage.CheckpointError, match=r"'data/g000003-rank_00000\.bin', not a file of generation 4"):
+        storage.commit(uri, 8, late, layout={}, train_state={"step": 8}, generation=4)
+    legacy = [{**r, "file": "data/rank_00000.bin"} for r in rows]
+    with pytest.raises(storage.CheckpointError, match=r"'data/rank_00000\.bin', not a file of generation 4"):
+        storage.commit(uri, 8, legacy, layout={}, train_state={"step": 8}, generation=4)
+    with pytest.raises(ValueError, match="generation must be a non-negative int"):
+        storage.write_shards(uri, 9, 0, new, generation=-1)
+
+
+def test_checkpoint_of_the_first_format_still_loads(tmp_path):
+    """Data files named data/rank_NNNNN.bin (before generations were in the name) load and verify."""
+    uri = str(tmp_path)
+    state = _save(uri, 1)
+    d = tmp_path / step_dir(1)
+    for rank in (0, 1):
+        (d / data_file(rank, GEN)).rename(d / f"data/rank_{rank:05d}.bin")
+    m = json.loads((d / MANIFEST).read_text())
+    m["files"] = {f"data/rank_{r:05d}.bin": e for r, e in enumerate(m["files"].values())}
+    (d / MANIFEST).write_text(json.dumps(m))
+    _rewrite_index(tmp_path, 1, lambda rows: [r.update(file=r["file"].replace(f"g{GEN:06d}-", "")) for r in rows])
+    assert sorted(storage.verify(uri, 1)["files"]) == ["data/rank_00000.bin", "data/rank_00001.bin"]
+    template = _empty_like(state)
+    storage.load_shards(uri, 1, template)
+    assert all(torch.equal(template[k], state[k]) for k in state)
+
+
+def test_background_writer_close_from_another_thread_waits_for_the_save(tmp_path, monkeypatch):
+    uri = str(tmp_path)
+    state = _state()
+    writing, release = threading.Event(), threading.Event()
+    write = storage.fs.Store.write
+
+    def held_write(self, rel, buffers, durable=True):  # the data file's write waits until the test lets it go on
+        if rel.endswith(".bin"):
+            writing.set()
+            release.wait(60)
+        return write(self, rel, buffers, durable=durable)
+
+    monkeypatch.setattr(storage.fs.Store, "write", held_write)
+    writer = storage.BackgroundWriter()
+    future = writer.submit(uri, 1, 0, state, generation=GEN)
+    writer.wait_snapshot()
+    assert writing.wait(30)
+    assert writer.close(timeout_s=0.05) is False  # the write is held: it did not finish in time
+    with pytest.raises(storage.CheckpointError, match="writer is closed: step 2 is not saved"):
+        writer.submit(uri, 2, 0, state, generation=GEN)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(writer.close()))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and not future.done()  # close waits for the save in flight
+    release.set()
+    closer.join(30)
+    assert closed == [True] and future.done()
+    storage.commit(uri, 1, future.result(), layout={}, train_state={"step": 1}, generation=GEN)
+    assert storage.verify(uri, 1)["step"] == 1

@@ -58,8 +58,8 @@ def _full(tensors: dict) -> dict[str, torch.Tensor]:
 
 def _save(uri: str, step: int, rank: int, layout: Layout, pm, opt) -> None:
     tensors = storage.state_tensors(pm.model_parts, opt)
-    rows = storage.write_shards(uri, step, rank, storage.snapshot(tensors))
-    storage.gather_and_commit(uri, step, rows, layout=layout.as_dict(), train_state={"step": step, "cursor": step * GLOBAL_BATCH})
+    rows = storage.write_shards(uri, step, rank, storage.snapshot(tensors), generation=1)
+    storage.gather_and_commit(uri, step, rows, layout=layout.as_dict(), train_state={"step": step, "cursor": step * GLOBAL_BATCH}, generation=1)
 
 
 def _save_at_four(rank: int, world: int, root: str) -> dict:

@@ -3,64 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import free_port, run_distributed
+from distributed import run_distributed
+from test_storage_lease import check_lease_semantics, check_renewal
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import storage
 import storage.fs
 from storage.fs import Store
-
-BUCKET = "ckpt"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on a free loopback port, with the AWS settings that s3fs (also in child processes) reads."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    server_bin = Path(sys.executable).with_name("moto_server")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(server_bin), "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start: {log.read_text()}") from None
-                time.sleep(0.1)
-        import s3fs
-
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
-        yield f"s3://{BUCKET}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _full_state() -> dict[str, torch.Tensor]:
@@ -81,8 +35,8 @@ def _sharded(full: dict, template: bool) -> dict:
 
 def _save(rank: int, world: int, uri: str) -> None:
     tensors = _sharded(_full_state(), template=False)
-    rows = storage.write_shards(uri, 5, rank, storage.snapshot(tensors))
-    storage.gather_and_commit(uri, 5, rows, layout={"dp_shard": world}, train_state={"step": 5})
+    rows = storage.write_shards(uri, 5, rank, storage.snapshot(tensors), generation=1)
+    storage.gather_and_commit(uri, 5, rows, layout={"dp_shard": world}, train_state={"step": 5}, generation=1)
 
 
 def _load(rank: int, world: int, uri: str) -> dict:
@@ -106,9 +60,9 @@ def test_s3_catalog(s3):
     uri = f"{s3}/catalog"
     state = _full_state()
     for step in (1, 2, 3):
-        rows = storage.write_shards(uri, step, 0, state)
-        storage.commit(uri, step, rows, layout={}, train_state={"step": step})
-    storage.write_shards(uri, 0, 0, state)  # never committed
+        rows = storage.write_shards(uri, step, 0, state, generation=1)
+        storage.commit(uri, step, rows, layout={}, train_state={"step": step}, generation=1)
+    storage.write_shards(uri, 0, 0, state, generation=1)  # never committed
     assert storage.latest_valid(uri) == 3
     assert storage.retain(uri, 1) == [2, 1, 0]
     assert [c["step"] for c in storage.list_checkpoints(uri)] == [3]
@@ -120,8 +74,8 @@ def test_s3_catalog(s3):
 def _round_trip(uri: str, storage_options: dict | None) -> None:
     state = _full_state()
     storage.check_writable(uri, storage_options=storage_options)
-    rows = storage.write_shards(uri, 1, 0, state, storage_options=storage_options)
-    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, storage_options=storage_options)
+    rows = storage.write_shards(uri, 1, 0, state, storage_options=storage_options, generation=1)
+    storage.commit(uri, 1, rows, layout={}, train_state={"step": 1}, storage_options=storage_options, generation=1)
     assert storage.verify(uri, 1, storage_options=storage_options)["step"] == 1
     template = {k: torch.zeros_like(v) for k, v in state.items()}
     storage.load_shards(uri, 1, template, storage_options=storage_options)
@@ -160,3 +114,9 @@ def test_s3_unmappable_storage_option_falls_back_to_s3fs(s3):
     store = Store(f"{s3}/fallback", options)
     assert store.backend == "fsspec" and store.arrow is None
     _round_trip(f"{s3}/fallback", options)
+
+
+def test_s3_lease(s3):
+    """One job per URI on S3 (best effort: write, wait, read back): refusal, stale take-over, release, renewal."""
+    check_lease_semantics(f"{s3}/lease", ttl_s=2.5)
+    check_renewal(f"{s3}/lease-renewed", ttl_s=2.5)

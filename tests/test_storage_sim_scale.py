@@ -235,8 +235,8 @@ def save_all(uri: str, layout: Layout, stage_specs: dict[int, dict], full: dict)
     rows = []
     for rank in range(layout.world_size):
         state = rank_state(stage_specs[layout.coords(rank)["pp"]], layout, rank, full)
-        rows += storage.write_shards(uri, STEP, rank, written_parts(state))
-    return storage.commit(uri, STEP, rows, layout=layout.as_dict(), train_state={"step": STEP, "cursor": 1234})
+        rows += storage.write_shards(uri, STEP, rank, written_parts(state), generation=1)
+    return storage.commit(uri, STEP, rows, layout=layout.as_dict(), train_state={"step": STEP, "cursor": 1234}, generation=1)
 
 
 def plan_all(planner: ReadPlanner, layout: Layout, stage_specs: dict[int, dict]) -> int:
