@@ -121,16 +121,17 @@ class CheckpointCoordinator:
                 "bytes": sum(row["nbytes"] for row in rows)}
         commit = _Commit(info, Future())
         self._commits.append(commit)
-        self._runner.submit(commit, self._commit, step, rows, layout, self.train_state(step))
+        self._runner.submit(commit, self._commit, step, rows, layout, self.train_state(step), generation, self.in_progress())
 
     def in_progress(self) -> set[int]:
         """Steps whose save is under way: rows still arriving, or a commit not yet done."""
         return set(self._rows) | {c.info["step"] for c in self._commits}
 
-    def _commit(self, step: int, rows: list[dict], layout: dict, train_state: dict) -> float:
+    def _commit(self, step: int, rows: list[dict], layout: dict, train_state: dict, generation: int, in_progress: set[int]) -> float:
+        """Runs on the committer thread: everything it needs was taken on the controller's thread when the rows came in."""
         t0 = time.perf_counter()
-        storage.commit(self.uri, step, rows, layout=layout, train_state=train_state)
-        storage.retain(self.uri, self.cfg.checkpoint.keep)
+        storage.commit(self.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
+        storage.retain(self.uri, self.cfg.checkpoint.keep, in_progress=in_progress - {step})
         return time.perf_counter() - t0
 
     # -- commits out ---------------------------------------------------------------------

@@ -111,6 +111,7 @@ class Controller:
         self.node_returns: list[float] = []  # when removed nodes come back (node faults with back=)
         self.grow_seen_at: int | None = None  # completed step when more workers were first seen
         self.failed_reason: str | None = None
+        self._abort_reason: str | None = None
         self.started_at = clock()
 
     # -- the loop ------------------------------------------------------------------
@@ -124,7 +125,15 @@ class Controller:
     def last_committed(self) -> int | None:
         return self.checkpoints.last_committed
 
+    def abort(self, reason: str) -> None:
+        """Fail the job at the next iteration, from any thread (the lease renewer's, when another job took over)."""
+        self._abort_reason = reason
+
     def step(self) -> State:
+        if self._abort_reason and self.state not in (State.FINISHED, State.FAILED):
+            self.failed_reason = self._abort_reason
+            self._transition(State.FAILED, reason=self.failed_reason)
+            return self.state
         self._return_nodes()
         handler = {
             State.SCHEDULING: self._schedule,

@@ -30,27 +30,27 @@ def _absolute_local_uri(uri: str) -> str:
     return str(Path(uri).resolve())
 
 
-def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list]:
-    """Validate everything that can fail before any worker starts, and claim the run directory.
+def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list, rundir.RunClaim]:
+    """Validate everything that can fail before any worker starts, and claim the run directory and the checkpoint URI.
 
     The layout and fault checks are `elastic.preflight.check_job`'s (the ones
-    `elastic config validate` runs); the run directory is created with
-    elastic's marker, and `fresh` deletes only one elastic created
-    (`elastic.rundir`). Every problem is a ConfigError naming the field.
+    `elastic config validate` runs); the run directory and the checkpoint URI
+    are claimed for this invocation (`elastic.rundir.open_run`: leases, the
+    marker, `fresh`, no mixing with an earlier run). Every problem is a
+    ConfigError naming the field; the caller releases the claim.
     """
     faults = check_job(cfg, inject).faults
     cfg = cfg.model_copy(deep=True)
     cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
-    rundir.claim(cfg.run_root, cfg.name, fresh=fresh)
     try:
-        if fresh:
-            storage.remove_all(cfg.checkpoint.uri)
         storage.check_writable(cfg.checkpoint.uri)
     except storage.CheckpointError as exc:  # its message names the URI and the reason
         raise ConfigError(f"checkpoint.uri: {exc}") from None
+    try:
+        claim = rundir.open_run(cfg, fresh=fresh)
     except OSError as exc:
         raise ConfigError(f"checkpoint.uri: cannot delete the checkpoints under {cfg.checkpoint.uri} (--fresh): {exc}") from None
-    return cfg, faults
+    return cfg, faults, claim
 
 
 def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | None = None, fresh: bool = False, quiet: bool = False) -> dict:
@@ -64,7 +64,14 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
 
 
 def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, fresh: bool, quiet: bool) -> dict:
-    cfg, faults = prepare(cfg, inject, fresh)
+    cfg, faults, claim = prepare(cfg, inject, fresh)
+    try:
+        return _run_claimed(cfg, faults, claim, address=address, quiet=quiet)
+    finally:
+        claim.release()
+
+
+def _run_claimed(cfg: JobConfig, faults: list, claim: rundir.RunClaim, *, address: str | None, quiet: bool) -> dict:
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper
     nodes = math.ceil(s.num_workers / per_node)
@@ -72,8 +79,7 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
     cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes)
     if removes_nodes and cluster is None:
         raise ConfigError("node faults remove Ray nodes: they need the embedded cluster, not a real one")
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = claim.run_dir
     tokens_per_step = cfg.training.global_batch * cfg.data.seq_len
     progress = None if quiet else ProgressPrinter(cfg.training.steps, tokens_per_step)
     metrics = RayMetrics(cfg.name, tokens_per_step)
@@ -85,8 +91,9 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
     store = open_store(host)
     group = RayWorkerGroup(cfg, host, store.port)
     ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store)
+    claim.start_renewing(on_lost=ctrl.abort)  # another job took over our run directory or checkpoints: stop writing
     try:
-        events.emit("job_start", name=cfg.name, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
+        events.emit("job_start", name=cfg.name, attempt=claim.attempt, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
         events.emit("metrics_endpoint", url=metrics.url)
         if cfg.checkpoint.resume:
             ctrl.resume_step = ctrl.checkpoints.restore_point()
@@ -95,7 +102,7 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
         group.shutdown()
         ctrl.checkpoints.close()
         ctrl.fault_store = store = None  # the store's server thread and socket go now, not at the next garbage collection
-        report = build_report(ctrl)
+        report = build_report(ctrl, attempt=claim.attempt)
         write_report(report, run_dir)
         events.emit("job_end", state=ctrl.state.value)
         # Before the driver leaves a cluster that outlives the job, or its last values would be lost.

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 
-def build_report(ctrl) -> dict:
+def build_report(ctrl, attempt: int = 1) -> dict:
+    """The report of one invocation (`attempt` of the run: 1, or more after reruns under the same name)."""
     cfg = ctrl.cfg
     steps = sorted(ctrl.losses)
     wall = ctrl.clock() - ctrl.started_at
@@ -22,6 +23,7 @@ def build_report(ctrl) -> dict:
     injected = ctrl.events.of("fault_injected")
     return {
         "name": cfg.name,
+        "attempt": attempt,
         "state": ctrl.state.value,
         "reason": ctrl.failed_reason,
         "steps_completed": len(steps),

@@ -179,7 +179,19 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------
     def run(self) -> bool:
-        """Train to the last step (True), or until stopped or paused for a resize (False)."""
+        """Train to the last step (True), or until stopped or paused for a resize (False).
+
+        However the loop ends, the save in flight is finished before this
+        returns (`BackgroundWriter.close`): a process kept warm for the next
+        generation never writes behind it. A write that cannot finish keeps
+        the loop from ending, and the process is then killed as stuck.
+        """
+        try:
+            return self._run()
+        finally:
+            self.writer.close()
+
+    def _run(self) -> bool:
         self.build()
         cfg, layout = self.cfg, self.layout
         t = cfg.training
@@ -260,12 +272,15 @@ class Trainer:
         if kill:
             # Die part-way through writing, before this rank's rows can reach the coordinator.
             snap = storage.snapshot(tensors)
-            threading.Thread(target=storage.write_shards, args=(self.cfg.checkpoint.uri, step, self.rank, snap), daemon=True).start()
+            threading.Thread(
+                target=storage.write_shards, args=(self.cfg.checkpoint.uri, step, self.rank, snap),
+                kwargs={"generation": self.spec.generation}, daemon=True,
+            ).start()
             time.sleep(0.002 * (1 + kill[0].id % 4))
             _fault_signal(self.fault_store, kill[0], step)
             os.kill(os.getpid(), signal.SIGKILL)
         self._wait_for_writer()
-        self._pending = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors)
+        self._pending = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors, generation=self.spec.generation)
         self._unsnapped = (step, t0, background)
         if not background:
             self._wait_for_writer()

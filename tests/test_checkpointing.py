@@ -42,7 +42,7 @@ def _unblock(path: str) -> None:
 
 
 def _saved(uri: str, step: int, rank: int) -> dict:
-    rows = storage.write_shards(uri, step, rank, {f"model.r{rank}": torch.full((3,), float(step))})
+    rows = storage.write_shards(uri, step, rank, {f"model.r{rank}": torch.full((3,), float(step))}, generation=1)
     return {"kind": "saved", "step": step, "rows": rows, "save_s": 0.01}
 
 

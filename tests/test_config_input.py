@@ -219,8 +219,8 @@ def test_ckpt_list_without_a_creation_time_prints_a_dash(tmp_path, capsys):
     import storage
     from storage.format import MANIFEST, step_dir
 
-    rows = storage.write_shards(str(tmp_path), 10, 0, {"model.w": torch.ones(2)})
-    storage.commit(str(tmp_path), 10, rows, layout={"dp_shard": 1}, train_state={"step": 10})
+    rows = storage.write_shards(str(tmp_path), 10, 0, {"model.w": torch.ones(2)}, generation=1)
+    storage.commit(str(tmp_path), 10, rows, generation=1, layout={"dp_shard": 1}, train_state={"step": 10})
     manifest = tmp_path / step_dir(10) / MANIFEST
     data = json.loads(manifest.read_text())
     del data["created_unix"]  # written by an older version, or by hand

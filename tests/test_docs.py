@@ -260,9 +260,9 @@ def _write_checkpoint(uri: Path, sample: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     for step in sample["steps"]:
         tensors = {key: torch.rand(shape, generator=gen).to(DTYPES[dtype]) for key, (dtype, shape) in sample["tensors"].items()}
-        rows = storage.write_shards(str(uri), step, 0, tensors)
+        rows = storage.write_shards(str(uri), step, 0, tensors, generation=1)
         train_state = {**sample["train_state"], "step": step}
-        storage.commit(str(uri), step, rows, layout=sample["layout"], train_state=train_state)
+        storage.commit(str(uri), step, rows, generation=1, layout=sample["layout"], train_state=train_state)
 
 
 def _run(argv: list[str]) -> tuple[int, list[str]]:
@@ -303,7 +303,7 @@ def test_documented_example_runs_as_shown(command: DocCommand, tmp_path: Path, m
         argv[3] = path
         flip = _FLIP.search(command.comment)
         if flip:
-            target = Path(path) / step_dir(int(flip.group(1))) / data_file(0)
+            target = Path(path) / step_dir(int(flip.group(1))) / data_file(0, 1)
             data = bytearray(target.read_bytes())
             data[0] ^= 1
             target.write_bytes(bytes(data))
