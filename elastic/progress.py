@@ -97,7 +97,7 @@ class ProgressPrinter:
             self._show_step(e)
         elif kind == "generation_start":
             self._world, self._generation = e["world_size"], e["generation"]
-            self._note(f"[gen {e['generation']}] {e['world_size']} workers, layout {e['layout']}, resume from step {e['resume_step']}: {e['reason']}")
+            self._note(f"[gen {e['generation']}] {e['world_size']} workers, layout {e['layout']}, {_starting_from(e['resume_step'])}: {e['reason']}")
         elif kind == "checkpoint_committed":
             self._ckpt = e["step"]
         elif kind == "fault_injected":
@@ -107,7 +107,7 @@ class ProgressPrinter:
             detect = f" in {e['detect_s']:.3f}s" if e.get("detect_s") is not None else ""
             self._note(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
         elif kind == "recovering":
-            self._note(f"[recover] resuming from step {e['resume_step']}, lost {e['lost_steps']} steps")
+            self._note(f"[recover] {_starting_from(e['resume_step']).replace('start', 'resume', 1)}, lost {e['lost_steps']} steps")
         elif kind == "checkpoint_skipped":
             self._note(f"[checkpoint] skipped step {e['step']}: {e['reason']}")
         elif kind == "waiting_for_workers":
@@ -121,3 +121,8 @@ class ProgressPrinter:
             self._note(f"[{e['state'].lower()}] {e.get('reason') or ''}".rstrip())
         elif kind == "job_end":
             self.close()
+
+
+def _starting_from(step: int | None) -> str:
+    """Where a generation starts: "start from step N", or "start from scratch" when no checkpoint exists."""
+    return "start from scratch" if step is None else f"start from step {step}"

@@ -51,6 +51,8 @@ def test_plain_lines_when_not_a_terminal():
     assert [l.split()[1] for l in step_lines] == ["1/10", "5/10", "6/10", "10/10"]
     assert step_lines[-1] == "step    10/10  loss 2.0000  grad 1.000  tok/s 5,120  world 2  gen 2  ckpt 5  failures 1"
     assert "[failure] rank_died rank 1 (culprit 1) detected in 0.050s" in lines
+    assert "[gen 1] 4 workers, layout {'dp_shard': 4}, start from scratch: start" in lines
+    assert "[recover] resume from step 5, lost 0 steps" in lines and "[gen 2] 2 workers, layout {'dp_shard': 4}, start from step 5: start" in lines
     assert "[warning] grad_spike: grad norm 30 at step 9" in lines
     assert lines[-1] == "[finished]"
 
