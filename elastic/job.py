@@ -15,6 +15,7 @@ from elastic.alerts import GradSpikeRule
 from elastic.cluster import connect
 from elastic.config import ConfigError, JobConfig
 from elastic.controller import Controller, State
+from elastic.data import DataInfo, describe, resume_position
 from elastic.events import EventLog
 from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
@@ -31,8 +32,8 @@ def _absolute_local_uri(uri: str) -> str:
     return str(Path(uri).resolve())
 
 
-def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list]:
-    """Validate everything that can fail before any worker starts."""
+def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list, DataInfo]:
+    """Validate everything that can fail before any worker starts; resolve the data once (`DataInfo`)."""
     try:
         faults = parse_faults(list(cfg.fault.inject) + list(inject or []))
     except FaultSpecError as exc:
@@ -47,7 +48,7 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
         storage.check_writable(cfg.checkpoint.uri)
     except Exception as exc:  # noqa: BLE001 - any reason the URI cannot be written is a config problem
         raise ConfigError(f"checkpoint.uri {cfg.checkpoint.uri!r} is not writable: {exc}") from None
-    return cfg, faults
+    return cfg, faults, describe(cfg)
 
 
 def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | None = None, fresh: bool = False, quiet: bool = False) -> dict:
@@ -61,7 +62,13 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
 
 
 def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, fresh: bool, quiet: bool) -> dict:
-    cfg, faults = prepare(cfg, inject, fresh)
+    cfg, faults, data = prepare(cfg, inject, fresh)
+    skipped: list[tuple[int, str]] = []
+    resume_step = None
+    if cfg.checkpoint.resume:
+        resume_step = storage.latest_valid(cfg.checkpoint.uri, on_skip=lambda step, reason: skipped.append((step, str(reason))))
+        if resume_step is not None:
+            resume_position(cfg.checkpoint.uri, resume_step, data)  # refuses other data before any worker starts
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper
     nodes = math.ceil(s.num_workers / per_node)
@@ -81,14 +88,13 @@ def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, f
     host = "127.0.0.1" if cluster is not None else ray.util.get_node_ip_address()
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     group = RayWorkerGroup(cfg, host, store.port)
-    ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store)
+    ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store, data=data)
     try:
         events.emit("job_start", name=cfg.name, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
         events.emit("metrics_endpoint", url=metrics.url)
-        if cfg.checkpoint.resume:
-            ctrl.resume_step = storage.latest_valid(
-                cfg.checkpoint.uri, on_skip=lambda step, reason: events.emit("checkpoint_skipped", step=step, reason=str(reason))
-            )
+        for step, reason in skipped:
+            events.emit("checkpoint_skipped", step=step, reason=reason)
+        ctrl.resume_step = resume_step
         ctrl.run()
     finally:
         group.shutdown()

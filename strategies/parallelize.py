@@ -88,6 +88,30 @@ class ParallelModel:
             total += loss.detach()
         return total
 
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only over the local batch: its summed loss (zero on ranks without the last pipeline stage).
+
+        The same micro-batching as `forward_backward`, no gradients: held-out
+        evaluation between steps leaves the parameters and their gradients as they were.
+        """
+        if inputs.shape[1] % self.seq_divisor:
+            raise ValueError(f"sequence parallelism shards the sequence over tp={self.seq_divisor}: seq_len {inputs.shape[1]} must divide by it")
+        if self.schedule is not None:
+            if inputs.shape[0] % self.n_microbatches:
+                raise ValueError(f"the local batch ({inputs.shape[0]}) must divide into parallel.pp_microbatches ({self.n_microbatches})")
+            self._loss_scale = 1.0
+            losses: list[torch.Tensor] = []
+            self.schedule.eval(*((inputs,) if self.has_first_stage else ()), target=labels, losses=losses)
+            if not self.has_last_stage:
+                return torch.zeros((), device=inputs.device)
+            return torch.stack(losses).sum().reshape(())
+        (model,) = self.model_parts
+        total = torch.zeros((), device=inputs.device)
+        for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)):
+            total += self.loss_fn(model(x), y)
+        return total
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self._loss_scale
 
