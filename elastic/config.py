@@ -66,7 +66,7 @@ class DataConfig(_Section):
     seq_len: int = Field(16, ge=2, description="Tokens per sample (inputs and shifted labels come from seq_len + 1 tokens).")
     seed: int = Field(1234, description="Seed of the data and of the sample order.")
     eval_samples: int = Field(
-        0, ge=0, description="Held-out samples evaluated every training.eval_every steps: without data.eval_path, the corpus's last windows (synthetic: the indices after num_samples); with it, at most this many of its windows (0: all)."
+        0, ge=0, description="Held-out samples: without data.eval_path, the corpus's last windows (synthetic: the indices after num_samples); with it, at most this many of its windows (0: all). Evaluation runs whole global batches: the first floor(n / global_batch) * global_batch of them."
     )
     eval_path: str = Field("", description="tokens: a separate held-out corpus (same format settings as data.path).")
 
@@ -212,9 +212,9 @@ class JobConfig(_Section):
             )
         if self.training.eval_every and not (self.data.eval_samples or self.data.eval_path):
             raise ValueError("training.eval_every needs a held-out split: set data.eval_samples or data.eval_path")
-        if self.data.eval_samples % self.training.global_batch:
+        if self.training.eval_every and 0 < self.data.eval_samples < self.training.global_batch:
             raise ValueError(
-                f"data.eval_samples ({self.data.eval_samples}) must be a multiple of training.global_batch ({self.training.global_batch}): evaluation runs whole global batches"
+                f"data.eval_samples ({self.data.eval_samples}) is fewer than one training.global_batch ({self.training.global_batch}): evaluation runs whole global batches"
             )
         if self.parallel.tp > 1:
             m = self.model

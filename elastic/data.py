@@ -245,9 +245,8 @@ def describe(cfg: JobConfig) -> DataInfo:
         eval_index = index_corpus(d.eval_path, d, "data.eval_path")
         available = windows_in(eval_index.tokens, d.seq_len)
         gb = cfg.training.global_batch
-        info.eval_samples = d.eval_samples or available // gb * gb  # whole global batches
-        info.eval_first = 0
-        if not info.eval_samples or info.eval_samples > available:
+        info.eval_samples, info.eval_first = d.eval_samples or available, 0
+        if info.eval_samples > available or available < gb:
             raise ConfigError(f"data.eval_path {d.eval_path!r} holds {available} windows: fewer than data.eval_samples or one training.global_batch ({gb})")
         info.eval_index = eval_index.to_json()
     return info

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastic.config import ParallelConfig
@@ -94,7 +94,19 @@ class ParallelModel:
 
         The same micro-batching as `forward_backward`, no gradients: held-out
         evaluation between steps leaves the parameters and their gradients as they were.
+        FSDP keeps the root's parameters gathered after forward for the backward
+        that follows; with no backward coming, they are resharded here, or the
+        module would go on holding full tensors instead of its sharded parameters.
         """
+        try:
+            return self._evaluate(inputs, labels)
+        finally:
+            for part in self.model_parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+
+    def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if inputs.shape[1] % self.seq_divisor:
             raise ValueError(f"sequence parallelism shards the sequence over tp={self.seq_divisor}: seq_len {inputs.shape[1]} must divide by it")
         if self.schedule is not None:
