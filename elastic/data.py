@@ -208,8 +208,10 @@ def _split(cfg: JobConfig, available: int, where: str) -> tuple[int, int]:
 def _check_vocab(cfg: JobConfig, windows) -> None:
     """The first and last windows' tokens fit the model's vocabulary: a wrong data.dtype or tokenizer shows here."""
     vocab = getattr(cfg.model, "vocab_size", None)
-    if vocab is None or not len(windows):
+    if vocab is None:
         return
+    if cfg.data.eos_token is not None and cfg.data.eos_token >= vocab:
+        raise ConfigError(f"data.eos_token ({cfg.data.eos_token}) is not below model.vocab_size ({vocab})")
     sample = windows.windows([0, len(windows) - 1])
     if int(sample.max()) >= vocab:
         raise ConfigError(

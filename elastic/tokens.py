@@ -29,7 +29,6 @@ the index (a few numbers per chunk), the pages it touches and the LRU.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -48,7 +47,6 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".ipc": "
 """File suffixes a corpus may hold, and how each is read."""
 OPEN_FILES = 64
 """Files a reader keeps open (memory maps, Parquet footers): the least recently used is closed past this."""
-_SUFFIXES = ", ".join(FORMATS)
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -99,32 +97,18 @@ def _store_for(root: str) -> Store:
         raise ConfigError(f"{root}: cannot open ({exc})") from None
 
 
-def _list_local(path: str, field: str) -> tuple[str, list[tuple[str, int]]]:
-    p = Path(path).expanduser()
-    if _GLOB.search(path):
-        root = Path(_glob_root(str(p)))
-        found = [Path(m) for m in glob.glob(str(p), recursive=True)]
-        files = [f for f in found if f.is_file() and f.suffix in FORMATS]
-    elif p.is_dir():
-        root = p
-        files = [f for f in p.rglob("*") if f.is_file() and f.suffix in FORMATS]
-    elif p.is_file():
-        _check_suffix(path, field)
-        root, files = p.parent, [p]
-    else:
-        raise ConfigError(f"{field} {path!r}: no such file or directory")
-    root = root.resolve()
-    return str(root), [(str(f.resolve().relative_to(root)), f.stat().st_size) for f in files]
-
-
-def _list_remote(path: str, field: str) -> tuple[str, list[tuple[str, int]]]:
+def list_files(path: str, suffixes, field: str) -> tuple[str, list[tuple[str, int]]]:
+    """The files with one of `suffixes` that `path` names (a file, a directory searched recursively, or a glob; any
+    fsspec URI or a local path) as (root, [(path below root, size)]) sorted by path; ConfigError naming `field` if none."""
     import fsspec
+    from fsspec.implementations.local import LocalFileSystem
 
     try:
         fs, p = fsspec.core.url_to_fs(path)
-    except (ImportError, ValueError) as exc:
+    except (ImportError, ValueError) as exc:  # an unknown protocol, or its fsspec package is missing
         raise ConfigError(f"{field} {path!r}: cannot open ({exc})") from None
-    p = p.rstrip("/")
+    local = isinstance(fs, LocalFileSystem)
+    p = os.path.abspath(p) if local else p.rstrip("/")
     try:
         if _GLOB.search(p):
             root, found = _glob_root(p), fs.glob(p, detail=True)
@@ -133,38 +117,32 @@ def _list_remote(path: str, field: str) -> tuple[str, list[tuple[str, int]]]:
             if info.get("type") == "directory":
                 root, found = p, fs.find(p, detail=True)
             else:
-                _check_suffix(path, field)
+                if Path(p).suffix not in suffixes:
+                    raise ConfigError(f"{field} {path!r}: not a {' or '.join(dict.fromkeys(suffixes))} file")
                 root, found = p.rsplit("/", 1)[0], {p: info}
     except FileNotFoundError:
         raise ConfigError(f"{field} {path!r}: no such file or directory") from None
     except OSError as exc:
         raise ConfigError(f"{field} {path!r}: cannot list ({type(exc).__name__}: {exc})") from None
-    files = [
+    files = sorted(
         (name[len(root) + 1 :], int(info["size"]))
         for name, info in found.items()
-        if info.get("type") == "file" and Path(name).suffix in FORMATS
-    ]
-    return fs.unstrip_protocol(root), files
-
-
-def _check_suffix(path: str, field: str) -> None:
-    if Path(path).suffix not in FORMATS:
-        raise ConfigError(f"{field} {path!r}: not a token file ({_SUFFIXES})")
+        if info.get("type") == "file" and Path(name).suffix in suffixes
+    )
+    if not files:
+        raise ConfigError(f"{field} {path!r}: matched no {' or '.join(dict.fromkeys(suffixes))} files")
+    return (root or "/") if local else fs.unstrip_protocol(root), files
 
 
 def _glob_root(pattern: str) -> str:
     """The directory part of `pattern` before its first glob character."""
-    head = pattern[: _GLOB.search(pattern).start()]
-    return head.rsplit("/", 1)[0] if "/" in head else "."
+    return pattern[: _GLOB.search(pattern).start()].rsplit("/", 1)[0]
 
 
 def list_corpus(path: str, field: str = "data.path") -> tuple[str, list[tuple[str, int, str]]]:
     """The corpus root and its (relative path, size, format) in stream order; ConfigError naming `field` if none."""
-    remote = "://" in path and not path.startswith("file://")
-    root, files = (_list_remote if remote else _list_local)(path.removeprefix("file://"), field)
-    if not files:
-        raise ConfigError(f"{field} {path!r}: matched no token files ({_SUFFIXES})")
-    return root, sorted((rel, size, FORMATS[Path(rel).suffix]) for rel, size in files)
+    root, files = list_files(path, FORMATS, field)
+    return root, [(rel, size, FORMATS[Path(rel).suffix]) for rel, size in files]
 
 
 # -- indexing ------------------------------------------------------------------------------------------------------
