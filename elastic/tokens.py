@@ -322,8 +322,10 @@ class TokenReader:
         sizes = [n for f in index.files for n in f.chunks]
         self.starts = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=self.starts[1:])
-        self.chunk_file = np.array([fi for fi, f in enumerate(index.files) for _ in f.chunks], dtype=np.int64)
-        self.chunk_local = np.array([ci for f in index.files for ci in range(len(f.chunks))], dtype=np.int64)
+        # Python lists for the per-window loop (indexing a list is several times cheaper than a numpy scalar).
+        self._starts = self.starts.tolist()
+        self._chunk_file = [fi for fi, f in enumerate(index.files) for _ in f.chunks]
+        self._chunk_local = [ci for f in index.files for ci in range(len(f.chunks))]
         self.cache = _LRU(cfg.cache_mb << 20)
         self._open: OrderedDict = OrderedDict()
         self.bytes_fetched = 0
@@ -333,23 +335,25 @@ class TokenReader:
     def tokens(self) -> int:
         return int(self.starts[-1])
 
-    def read(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
-        """The stream's tokens [start, stop) for each range, as int64; remote .bin ranges are fetched together."""
-        out = [np.empty(stop - start, dtype=np.int64) for start, stop in ranges]
-        remote: dict[int, list] = defaultdict(list)  # .bin file -> [(first token, last token, destination)]
-        for dest_all, (start, stop) in zip(out, ranges):
-            if start < 0 or stop > self.tokens:
-                raise IndexError(f"tokens [{start}, {stop}) outside the corpus's {self.tokens}")
-            c = int(np.searchsorted(self.starts, start, side="right")) - 1
+    def read(self, ranges: list[tuple[int, int]], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The stream's tokens [start, stop) for each range, as int64 (into `out` when given); remote .bin ranges are fetched together."""
+        if out is None:
+            out = [np.empty(stop - start, dtype=np.int64) for start, stop in ranges]
+        bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if len(bounds) and (bounds[:, 0].min() < 0 or bounds[:, 1].max() > self.tokens):
+            raise IndexError(f"token ranges outside the corpus's {self.tokens} tokens")
+        first_chunks = np.searchsorted(self.starts, bounds[:, 0], side="right") - 1
+        starts, files, remote = self._starts, self.index.files, defaultdict(list)  # remote: .bin file -> [(lo, hi, destination)]
+        for dest_all, (start, stop), c in zip(out, ranges, first_chunks.tolist()):
             pos = start
             while pos < stop:
-                end = min(stop, int(self.starts[c + 1]))
+                chunk_start = starts[c]
+                end = min(stop, starts[c + 1])
                 if end > pos:
-                    fi, lo, hi = int(self.chunk_file[c]), pos - int(self.starts[c]), end - int(self.starts[c])
-                    dest = dest_all[pos - start : end - start]
-                    f = self.index.files[fi]
-                    if f.format != "bin":
-                        dest[:] = self._chunk_slice(fi, int(self.chunk_local[c]), lo, hi)
+                    fi = self._chunk_file[c]
+                    lo, hi, dest = pos - chunk_start, end - chunk_start, dest_all[pos - start : end - start]
+                    if files[fi].format != "bin":
+                        dest[:] = self._chunk_slice(fi, self._chunk_local[c], lo, hi)
                     elif self.store.local is not None:
                         dest[:] = self._handle(fi)[lo:hi]
                     else:
@@ -381,7 +385,7 @@ class TokenReader:
             size = os.stat(self.store.local / f.rel).st_size
             if size != f.size:
                 raise ValueError(f"{self.store.describe(f.rel)} has {size} bytes, {f.size} when the job indexed it: the corpus changed")
-            handle = np.memmap(self.store.local / f.rel, dtype=self.dtype, mode="r")
+            handle = np.memmap(self.store.local / f.rel, dtype=self.dtype, mode="r").view(np.ndarray)  # slices without memmap's overhead
         elif f.format == "parquet":
             import pyarrow.parquet as pq
 
@@ -431,12 +435,12 @@ class TokenWindows:
     def windows(self, indices: list[int]) -> np.ndarray:
         """The windows of these sample indices, (len(indices), seq_len + 1) int64."""
         L = self.seq_len
-        for i in indices:
-            if not 0 <= i < self.count:
-                raise IndexError(f"sample {i} outside [0, {self.count})")
+        if indices and not (0 <= min(indices) and max(indices) < self.count):
+            raise IndexError(f"samples {min(indices)}..{max(indices)} outside [0, {self.count})")
         ranges = [((self.first + i) * L, (self.first + i) * L + L + 1) for i in indices]
-        rows = self.reader.read(ranges)
-        return np.stack(rows) if rows else np.zeros((0, L + 1), dtype=np.int64)
+        rows = np.empty((len(indices), L + 1), dtype=np.int64)
+        self.reader.read(ranges, out=list(rows))
+        return rows
 
     def batch(self, indices: list[int]):
         """Inputs and next-token labels for these sample indices, each (len(indices), seq_len)."""
