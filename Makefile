@@ -6,7 +6,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 clean
+.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 bench-data clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ bench-checkpoint: $(STAMP)
 # S3 data path: s3fs vs pyarrow's S3FileSystem against a local moto server (256 MB object; ~1 min): bench/results/s3.json
 bench-s3: $(STAMP)
 	$(PY) bench/s3.py
+
+# Data path: the tokens source vs plain memmap/pyarrow reads, local and s3 (moto), and vs the demo's training rate (~5 min): bench/results/data.json
+bench-data: $(STAMP)
+	$(PY) bench/data.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -10,11 +10,14 @@ windows read the plain way, which is the limit:
 - `.bin` (uint16), local: numpy memmap slices of the same windows, stacked
   into int64 and made into the same tensors;
 - Parquet (one row per document, row groups of ~1M tokens), local: pyarrow
-  decoding the whole token column (every row group, flattened to numpy),
-  the cheapest a reader of this file can get its tokens;
-- `s3://` (a moto server on 127.0.0.1): `.bin` windows by range as pyarrow's
-  S3FileSystem serves them (`read_at`, 16 in flight, as `storage.fs.Store`
-  reads), and the Parquet file decoded whole through the same client.
+  decoding the whole token column into memory (at the first read, timed)
+  and the same windows cut from it: the cheapest way to this file's
+  windows, for a corpus that fits in memory;
+- `s3://` (a moto server on 127.0.0.1; a smaller corpus, `--s3-tokens`,
+  because moto copies the whole object for every range GET): `.bin` windows
+  by range as pyarrow's S3FileSystem serves them (`read_at`, 16 in flight,
+  as `storage.fs.Store` reads), and the Parquet file decoded whole through
+  the same client, windows cut from memory.
 
 Then it runs the demo job (`deploy/examples/demo.yaml`: 4 workers, global
 batch 32 of 16 tokens, no faults) on the embedded Ray for `--demo-steps`
@@ -74,10 +77,12 @@ def write_corpus(root: Path, tokens: int) -> None:
 
 
 def _dataset(path: str, seq_len: int, cache_mb: int = 256):
+    """A reader of the corpus's windows: `reader()` opens the dataset afresh (an empty cache), its `batch` reads."""
     cfg = load_config(data={"model": {"vocab_size": VOCAB, "max_seq_len": max(seq_len, 32)},
                             "data": {"kind": "tokens", "path": path, "seq_len": seq_len, "cache_mb": cache_mb},
                             "training": {"global_batch": 8, "micro_batch": 8}})
-    return open_datasets(cfg, describe(cfg))[0]
+    info = describe(cfg)
+    return lambda: open_datasets(cfg, info)[0].batch
 
 
 def _batches(n: int, batch: int, shuffled: bool) -> list[list[int]]:
@@ -87,8 +92,9 @@ def _batches(n: int, batch: int, shuffled: bool) -> list[list[int]]:
     return [list(range(i, i + batch)) for i in range(0, n - batch + 1, batch)]
 
 
-def _timed(read, batches: list[list[int]], seq_len: int, seconds: float) -> float:
-    """Tokens/s of `read(indices)` over `batches`, stopping after `seconds`."""
+def _timed(reader, batches: list[list[int]], seq_len: int, seconds: float) -> float:
+    """Tokens/s of `read(indices)` over `batches` for a fresh `read = reader()`, stopping after `seconds`."""
+    read = reader()
     t0, done = time.perf_counter(), 0
     for indices in batches:
         read(indices)
@@ -104,20 +110,29 @@ def _tensors(rows: np.ndarray):
 
 
 def plain_memmap(path: Path, seq_len: int):
-    mm = np.memmap(path, dtype=np.uint16, mode="r")
-    return lambda indices: _tensors(np.stack([mm[i * seq_len : i * seq_len + seq_len + 1] for i in indices]).astype(np.int64))
+    def reader():
+        mm = np.memmap(path, dtype=np.uint16, mode="r")
+        return lambda indices: _tensors(np.stack([mm[i * seq_len : i * seq_len + seq_len + 1] for i in indices]).astype(np.int64))
+
+    return reader
 
 
-def plain_parquet_tokens_s(source, seconds: float) -> float:
-    """Decode the whole token column, group by group: tokens/s."""
-    pf = pq.ParquetFile(source)
-    t0, tokens = time.perf_counter(), 0
-    for g in range(pf.metadata.num_row_groups):
-        values = pf.read_row_group(g, columns=["input_ids"]).column(0).combine_chunks().flatten().to_numpy().astype(np.int64)
-        tokens += len(values)
-        if time.perf_counter() - t0 > seconds:
-            break
-    return tokens / (time.perf_counter() - t0)
+def plain_parquet(source, seq_len: int):
+    """The whole token column decoded by pyarrow (at the first read, inside the timing), windows cut from it."""
+
+    def reader():
+        tokens = None
+
+        def read(indices):
+            nonlocal tokens
+            if tokens is None:
+                table = pq.ParquetFile(source() if callable(source) else source).read(columns=["input_ids"])
+                tokens = table.column(0).combine_chunks().flatten().to_numpy()
+            return _tensors(np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in indices]).astype(np.int64))
+
+        return read
+
+    return reader
 
 
 def plain_s3_ranges(fs, path: str, seq_len: int, threads: int = 16):
@@ -128,7 +143,7 @@ def plain_s3_ranges(fs, path: str, seq_len: int, threads: int = 16):
             chunks = list(pool.map(lambda i: f.read_at((seq_len + 1) * 2, i * seq_len * 2), indices))
         return _tensors(np.stack([np.frombuffer(c, dtype=np.uint16) for c in chunks]).astype(np.int64))
 
-    return read
+    return lambda: read
 
 
 def demo_tokens_per_rank_s(steps: int, run_root: Path) -> dict:
@@ -148,7 +163,8 @@ def demo_tokens_per_rank_s(steps: int, run_root: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=64 << 20, help="tokens in the corpus (default 64M: 128 MB as uint16)")
+    ap.add_argument("--tokens", type=int, default=64 << 20, help="tokens in the local corpus (default 64M: 128 MB as uint16)")
+    ap.add_argument("--s3-tokens", type=int, default=8 << 20, help="tokens in the s3 corpus (default 8M: moto copies the whole object for every range GET)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8, help="windows per read (one rank's local batch)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -160,24 +176,25 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-data-"))
     loadavg_start = os.getloadavg()
     write_corpus(work, args.tokens)
+    write_corpus(work / "s3", args.s3_tokens)
     L = args.seq_len
     n = (args.tokens - 1) // L
     bin_file, parquet_file = work / "bin" / "tokens.bin", str(work / "parquet" / "tokens.parquet")
     cases: dict[str, tuple] = {}  # name -> (the tokens source's measure, the plain read's measure): seconds -> tokens/s
 
-    def windows(read, batches, seq_len):
-        return partial(_timed, read, batches, seq_len)
+    def windows(reader, batches, seq_len):
+        return partial(_timed, reader, batches, seq_len)
 
     for order in ("sequential", "shuffled"):
         batches = _batches(n, args.batch, order == "shuffled")
-        cases[f".bin local, {order}"] = (windows(_dataset(str(work / "bin"), L).batch, batches, L),
+        cases[f".bin local, {order}"] = (windows(_dataset(str(work / "bin"), L), batches, L),
                                          windows(plain_memmap(bin_file, L), batches, L))
-        cache = 256 if order == "sequential" else 32  # shuffled: a cache of a quarter of the corpus
-        cases[f"Parquet local, {order}, cache {cache} MB"] = (windows(_dataset(str(work / "parquet"), L, cache_mb=cache).batch, batches, L),
-                                                             partial(plain_parquet_tokens_s, parquet_file))
+        for cache in (256, 32) if order == "shuffled" else (256,):  # 256 MB holds the corpus's decoded tokens, 32 MB a quarter
+            cases[f"Parquet local, {order}, cache {cache} MB"] = (windows(_dataset(str(work / "parquet"), L, cache_mb=cache), batches, L),
+                                                                 windows(plain_parquet(parquet_file, L), batches, L))
     demo_len = 16
     small = _batches((args.tokens - 1) // demo_len, 32, True)[:20_000]
-    cases[".bin local, shuffled, seq_len 16"] = (windows(_dataset(str(work / "bin"), demo_len).batch, small, demo_len),
+    cases[".bin local, shuffled, seq_len 16"] = (windows(_dataset(str(work / "bin"), demo_len), small, demo_len),
                                                  windows(plain_memmap(bin_file, demo_len), small, demo_len))
 
     port = _free_port()
@@ -190,14 +207,15 @@ def main() -> None:
         import s3fs
 
         for part in ("bin", "parquet"):
-            s3fs.S3FileSystem(skip_instance_cache=True).put(str(work / part), f"s3://bench/{part}", recursive=True)
+            s3fs.S3FileSystem(skip_instance_cache=True).put(str(work / "s3" / part), f"s3://bench/{part}", recursive=True)
         afs = pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1",
                                 endpoint_override=f"127.0.0.1:{port}", scheme="http")
-        shuffled, sequential = _batches(n, args.batch, True), _batches(n, args.batch, False)
-        cases[".bin s3, shuffled"] = (windows(_dataset("s3://bench/bin", L).batch, shuffled, L),
+        n_s3 = (args.s3_tokens - 1) // L
+        shuffled, sequential = _batches(n_s3, args.batch, True), _batches(n_s3, args.batch, False)
+        cases[".bin s3, shuffled"] = (windows(_dataset("s3://bench/bin", L), shuffled, L),
                                       windows(plain_s3_ranges(afs, "bench/bin/tokens.bin", L), shuffled, L))
-        cases["Parquet s3, sequential"] = (windows(_dataset("s3://bench/parquet", L).batch, sequential, L),
-                                           lambda s: plain_parquet_tokens_s(afs.open_input_file("bench/parquet/tokens.parquet"), s))
+        cases["Parquet s3, sequential"] = (windows(_dataset("s3://bench/parquet", L), sequential, L),
+                                           windows(plain_parquet(lambda: afs.open_input_file("bench/parquet/tokens.parquet"), L), sequential, L))
         for name, (ours, plain) in cases.items():
             samples = {"ours": [], "plain": []}
             for r in range(args.rounds):
@@ -218,7 +236,7 @@ def main() -> None:
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "pyarrow": pa.__version__, "torch": torch.__version__, "loadavg_at_start": loadavg_start, "loadavg_at_end": os.getloadavg()},
-        "setup": {"tokens": args.tokens, "seq_len": L, "batch": args.batch, "rounds": args.rounds, "seconds": args.seconds,
+        "setup": {"tokens": args.tokens, "s3_tokens": args.s3_tokens, "seq_len": L, "batch": args.batch, "rounds": args.rounds, "seconds": args.seconds,
                   "units": "tokens/s in one process and thread (seq_len labels per window); ratio = tokens source / plain; "
                            "x_training = tokens source / what one rank of the demo job consumes"},
         "training": demo,

@@ -234,7 +234,7 @@ def describe(cfg: JobConfig) -> DataInfo:
         try:
             MapDataset(dataset, d.seq_len).item(0)
         except Exception as exc:  # noqa: BLE001 - the user's dataset failed: one line that says so
-            raise ConfigError(f"data.builder: {exc}" if isinstance(exc, ValueError) else f"data.builder's dataset[0] failed: {type(exc).__name__}: {exc}") from None
+            raise ConfigError(str(exc) if isinstance(exc, ValueError) else f"data.builder's dataset[0] failed: {type(exc).__name__}: {exc}") from None
         identity.update(builder=d.builder, args=d.args, samples=train)
         return DataInfo(train, carve, len(dataset) - carve, identity)
     index = index_corpus(d.path, d)

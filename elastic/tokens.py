@@ -328,6 +328,8 @@ class TokenReader:
         self._chunk_local = [ci for f in index.files for ci in range(len(f.chunks))]
         self.cache = _LRU(cfg.cache_mb << 20)
         self._open: OrderedDict = OrderedDict()
+        self._last_key: tuple[int, int] | None = None
+        self._last_chunk: tuple[np.ndarray, np.ndarray] | None = None
         self.bytes_fetched = 0
         """Bytes read from remote files or decoded from Parquet column chunks (compressed size): what a read cost."""
 
@@ -343,7 +345,8 @@ class TokenReader:
         if len(bounds) and (bounds[:, 0].min() < 0 or bounds[:, 1].max() > self.tokens):
             raise IndexError(f"token ranges outside the corpus's {self.tokens} tokens")
         first_chunks = np.searchsorted(self.starts, bounds[:, 0], side="right") - 1
-        starts, files, remote = self._starts, self.index.files, defaultdict(list)  # remote: .bin file -> [(lo, hi, destination)]
+        starts, files, eos = self._starts, self.index.files, self.cfg.eos_token
+        remote: dict[int, list] = defaultdict(list)  # .bin file -> [(lo, hi, destination)]
         for dest_all, (start, stop), c in zip(out, ranges, first_chunks.tolist()):
             pos = start
             while pos < stop:
@@ -353,7 +356,11 @@ class TokenReader:
                     fi = self._chunk_file[c]
                     lo, hi, dest = pos - chunk_start, end - chunk_start, dest_all[pos - start : end - start]
                     if files[fi].format != "bin":
-                        dest[:] = self._chunk_slice(fi, self._chunk_local[c], lo, hi)
+                        key = (fi, self._chunk_local[c])
+                        if key != self._last_key:  # neighbouring windows mostly share a chunk: skip the LRU for them
+                            self._last_chunk, self._last_key = self._chunk(*key), key
+                        values, offsets = self._last_chunk
+                        dest[:] = values[lo:hi] if eos is None else stream_slice(values, offsets, eos, lo, hi)
                     elif self.store.local is not None:
                         dest[:] = self._handle(fi)[lo:hi]
                     else:
@@ -398,29 +405,27 @@ class TokenReader:
             self._open.popitem(last=False)
         return handle
 
-    def _chunk_slice(self, fi: int, ci: int, lo: int, hi: int) -> np.ndarray:
-        key = (fi, ci)
-        cached = self.cache.get(key)
-        if cached is None:
-            f = self.index.files[fi]
-            where = f"{self.store.describe(f.rel)} chunk {ci}"
-            if f.format == "parquet":
-                pf, leaf = self._handle(fi)
-                values, offsets = _decode(pf.read_row_group(ci, columns=[self.cfg.column]).column(0), where)
-                self.bytes_fetched += pf.metadata.row_group(ci).column(leaf).total_compressed_size
-            else:
-                batch = self._handle(fi).get(ci)
-                values, offsets = _decode(batch.column(self.cfg.column), where)
-                if self.store.local is None:
-                    self.bytes_fetched += batch.nbytes
-            tokens = len(values) + (len(offsets) - 1 if self.cfg.eos_token is not None else 0)
-            if tokens != f.chunks[ci]:
-                raise ValueError(f"{where} has {tokens} tokens, {f.chunks[ci]} when the job indexed it: the corpus changed")
-            cached = (values, offsets)
-            self.cache.put(key, cached, values.nbytes + offsets.nbytes)
+    def _chunk(self, fi: int, ci: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk `ci` of file `fi` as (token values, document offsets), from the LRU or decoded into it."""
+        cached = self.cache.get((fi, ci))
+        if cached is not None:
+            return cached[0]
+        f = self.index.files[fi]
+        where = f"{self.store.describe(f.rel)} chunk {ci}"
+        if f.format == "parquet":
+            pf, leaf = self._handle(fi)
+            values, offsets = _decode(pf.read_row_group(ci, columns=[self.cfg.column]).column(0), where)
+            self.bytes_fetched += pf.metadata.row_group(ci).column(leaf).total_compressed_size
         else:
-            cached = cached[0]
-        return stream_slice(*cached, self.cfg.eos_token, lo, hi)
+            batch = self._handle(fi).get(ci)
+            values, offsets = _decode(batch.column(self.cfg.column), where)
+            if self.store.local is None:
+                self.bytes_fetched += batch.nbytes
+        tokens = len(values) + (len(offsets) - 1 if self.cfg.eos_token is not None else 0)
+        if tokens != f.chunks[ci]:
+            raise ValueError(f"{where} has {tokens} tokens, {f.chunks[ci]} when the job indexed it: the corpus changed")
+        self.cache.put((fi, ci), (values, offsets), values.nbytes + offsets.nbytes)
+        return values, offsets
 
 
 class TokenWindows:

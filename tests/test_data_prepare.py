@@ -34,7 +34,7 @@ def _inputs(tmp_path: Path) -> Path:
     return raw
 
 
-def _stream(cfg_data: dict, tmp_path: Path) -> list[int]:
+def _stream(cfg_data: dict) -> list[int]:
     cfg = load_config(data={"model": {"vocab_size": 300, "max_seq_len": 16}, "data": {"seq_len": 8, **cfg_data},
                             "training": {"global_batch": 4, "micro_batch": 2}})
     info = describe(cfg)
@@ -61,7 +61,7 @@ def test_byte_level_bin_and_parquet_read_the_same_stream(tmp_path):
         data = _summary_data(done.stdout)
         assert data["path"] == str(out) and len(list(out.iterdir())) > 1  # several shards
         data = {k: (int(v) if k == "eos_token" else v) for k, v in data.items()}
-        streams[fmt] = _stream(data, tmp_path)
+        streams[fmt] = _stream(data)
     usable = (len(want) - 1) // 8 * 8 + 1
     assert streams["bin"] == streams["parquet"] == want[:usable]
 
@@ -86,7 +86,7 @@ def test_tokenizer_file_and_its_eos(tmp_path):
     assert int(data["eos_token"]) == eos
     docs = DOCS[:20] + ["".join(DOCS[20:])]
     want = [t for d in docs for t in tok.encode(d, add_special_tokens=False).ids + [eos]]
-    got = _stream({"kind": "tokens", "path": str(out), "eos_token": eos}, tmp_path)
+    got = _stream({"kind": "tokens", "path": str(out), "eos_token": eos})
     assert got == want[: len(got)] and len(want) - len(got) < 8
     np.testing.assert_array_equal(windows(want, 8, [0]), [got[:9]])
 
