@@ -60,6 +60,19 @@ def test_no_eos_and_a_glob_of_one_format(tmp_path):
     np.testing.assert_array_equal(train.windows(list(range(10))), windows(stream, SEQ, range(10)))
 
 
+def test_eval_path_is_a_corpus_of_its_own(tmp_path):
+    stream = write_corpus(tmp_path / "c", ("bin",))
+    held_stream = write_corpus(tmp_path / "held", ("parquet",), seed=5)
+    info, train, held = _all(_cfg({"path": str(tmp_path / "c"), "eval_path": str(tmp_path / "held")}))
+    n, m = (len(stream) - 1) // SEQ, (len(held_stream) - 1) // SEQ
+    assert (len(train), len(held), info.eval_samples) == (n, m, m)  # nothing carved off the training corpus
+    np.testing.assert_array_equal(held.windows(list(range(m))), windows(held_stream, SEQ, range(m)))
+    _, _, capped = _all(_cfg({"path": str(tmp_path / "c"), "eval_path": str(tmp_path / "held"), "eval_samples": 16}))
+    assert len(capped) == 16
+    with pytest.raises(ConfigError, match="data.eval_path"):
+        describe(_cfg({"path": str(tmp_path / "c"), "eval_path": str(tmp_path / "held"), "eval_samples": m + 8}))
+
+
 def _touched() -> int:
     """Bytes this process has read through system calls plus file pages it has mapped in: what a read cost it."""
     io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
