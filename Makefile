@@ -6,14 +6,14 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 clean
+.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 bench-data clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,hf]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,7 +29,7 @@ chaos: $(STAMP)
 	$(PY) -m pytest -q --timeout 3600 -m chaos
 
 # Every benchmark, one after the other (their times below; bench/README.md). A new bench-* target goes here too.
-bench: bench-strategies bench-checkpoint bench-recovery bench-s3
+bench: bench-strategies bench-checkpoint bench-recovery bench-s3 bench-data
 
 # Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~5 min): bench/results/recovery.json
 bench-recovery: $(STAMP)
@@ -46,6 +46,10 @@ bench-checkpoint: $(STAMP)
 # S3 data path: s3fs vs pyarrow's S3FileSystem against a local moto server (256 MB object; ~1 min): bench/results/s3.json
 bench-s3: $(STAMP)
 	$(PY) bench/s3.py
+
+# Data path: the tokens source vs plain memmap/pyarrow reads, local and s3 (moto), and vs the demo's training rate (~5 min): bench/results/data.json
+bench-data: $(STAMP)
+	$(PY) bench/data.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

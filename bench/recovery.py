@@ -129,7 +129,7 @@ class DPStep:
         self.optimizer = torch.optim.AdamW(self.pm.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
         load_full_state(self.pm, initial_state(build_model(cfg.model), t.seed))
         self.data = SyntheticTokens(cfg.data, cfg.model.vocab_size)
-        self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, t.global_batch)
+        self.sampler = GlobalSampler(len(self.data), cfg.data.seed, t.global_batch)
 
     def step(self, step: int) -> float:
         from elastic.train import lr_at

@@ -153,7 +153,7 @@ def reference_losses(cfg: JobConfig) -> list[float]:
     t = cfg.training
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
     data = SyntheticTokens(cfg.data, cfg.model.vocab_size)
-    sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, t.global_batch)
+    sampler = GlobalSampler(len(data), cfg.data.seed, t.global_batch)
     tokens = t.global_batch * cfg.data.seq_len
     losses = []
     for step in range(t.steps):

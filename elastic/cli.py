@@ -14,7 +14,7 @@ import sys
 
 from elastic.errors import ConfigError, UsageError
 
-COMMANDS = ("run", "plan", "ckpt", "report", "config")
+COMMANDS = ("run", "plan", "ckpt", "report", "config", "data")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,15 +78,51 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """The deterministic synthetic token dataset."""
+    """What the job trains on: synthetic tokens, a tokenized corpus, or a dataset plug-in; and its held-out split.
 
-    kind: Literal["synthetic"] = Field("synthetic", description="Only the built-in synthetic data for now.")
-    num_samples: int = Field(
-        1 << 20, ge=1, le=MAX_SAMPLES,
-        description="Samples in one epoch; the order is reshuffled each epoch. At most 2^27: the controller and each rank hold the epoch's permutation (8 bytes a sample).",
+    `tokens` packs the corpus into windows of seq_len + 1 tokens: every file's
+    documents in order (files sorted by path), each followed by `eos_token`
+    when set, form one token stream; window i is tokens [i*seq_len, i*seq_len
+    + seq_len + 1) of it (neighbours share one token, so every token but the
+    first is a label once); the tail too short for a window is dropped.
+    """
+
+    kind: Literal["synthetic", "tokens", "builder"] = Field(
+        "synthetic", description="synthetic: the built-in arithmetic tokens; tokens: a tokenized corpus at data.path; builder: the dataset data.builder returns."
+    )
+    path: str = Field("", description="tokens: a file, a directory or a glob of .parquet, .arrow or .bin files; local or any fsspec URI (s3://...).")
+    column: str = Field("input_ids", min_length=1, description="tokens: the list-of-integers column of Parquet and Arrow files (one row is one document).")
+    dtype: Literal["uint16", "uint32"] = Field("uint16", description="tokens: the integer type of flat .bin token files.")
+    eos_token: int | None = Field(None, ge=0, description="tokens: a token appended after each Parquet/Arrow row (document) when packing; .bin files hold their separators already.")
+    cache_mb: int = Field(256, ge=0, le=1 << 20, description="tokens: decoded Parquet row groups and remote Arrow batches a rank keeps (LRU, MiB).")
+    builder: str = Field("", description="builder: 'package.module:function' returning a map-style dataset (len, [index] -> (inputs, labels) tensors of seq_len).")
+    args: dict[str, Any] = Field(default_factory=dict, description="builder: keyword arguments of data.builder.")
+    num_samples: int | None = Field(
+        None, ge=1, le=MAX_SAMPLES,
+        description="Training samples in one epoch (the order is reshuffled each epoch). Synthetic: 1048576 if unset. tokens/builder: all the corpus's windows (less the eval split) if unset; a smaller number uses only the first ones. At most 2^27: the controller and each rank hold the epoch's permutation (8 bytes a sample).",
     )
     seq_len: int = Field(16, ge=2, description="Tokens per sample (inputs and shifted labels come from seq_len + 1 tokens).")
     seed: int = Field(1234, ge=0, description="Seed of the data and of the sample order.")
+    eval_samples: int = Field(
+        0, ge=0, le=MAX_SAMPLES, description="Held-out samples: without data.eval_path, the corpus's last windows (synthetic: the indices after num_samples); with it, at most this many of its windows (0: all). Evaluation runs whole global batches: the first floor(n / global_batch) * global_batch of them."
+    )
+    eval_path: str = Field("", description="tokens: a separate held-out corpus (same format settings as data.path).")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> "DataConfig":
+        if self.kind == "tokens" and not self.path:
+            raise ValueError("data.path is required with data.kind: tokens")
+        if self.kind == "builder" and not self.builder:
+            raise ValueError("data.builder is required with data.kind: builder ('package.module:function')")
+        if self.builder and self.kind != "builder":
+            raise ValueError(f"data.builder is set but data.kind is {self.kind}: use data.kind: builder")
+        if self.builder and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.builder):
+            raise ValueError(f"data.builder {self.builder!r} must be 'package.module:function'")
+        if self.path and self.kind != "tokens":
+            raise ValueError(f"data.path is set but data.kind is {self.kind}: use data.kind: tokens")
+        if self.eval_path and self.kind != "tokens":
+            raise ValueError("data.eval_path needs data.kind: tokens")
+        return self
 
 
 class ParallelConfig(_Section):
@@ -161,6 +197,7 @@ class TrainingConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = Field(0, ge=0, description="Seed of the model's initial weights.")
+    eval_every: int = Field(0, ge=0, description="Evaluate the held-out split (data.eval_samples / data.eval_path) every this many steps and at the end; 0 disables.")
 
 
 class CheckpointConfig(_Section):
@@ -253,6 +290,12 @@ class JobConfig(_Section):
         if self.training.global_batch % self.training.micro_batch:
             raise ValueError(
                 f"training.global_batch ({self.training.global_batch}) must be divisible by training.micro_batch ({self.training.micro_batch})"
+            )
+        if self.training.eval_every and not (self.data.eval_samples or self.data.eval_path):
+            raise ValueError("training.eval_every needs a held-out split: set data.eval_samples or data.eval_path")
+        if self.training.eval_every and 0 < self.data.eval_samples < self.training.global_batch:
+            raise ValueError(
+                f"data.eval_samples ({self.data.eval_samples}) is fewer than one training.global_batch ({self.training.global_batch}): evaluation runs whole global batches"
             )
         if self.parallel.tp > 1:
             m = self.model

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 
 import storage
 from elastic.checkpointing import CheckpointCoordinator
-from elastic.config import JobConfig
-from elastic.data import GlobalSampler
+from elastic.config import ConfigError, JobConfig
+from elastic.data import DataInfo, GlobalSampler, describe, resume_position
 from elastic.events import EventLog
 from elastic.faults import Fault
 from elastic.layout import Layout
@@ -58,6 +58,7 @@ class _StepTally:
     loss_sum: float = 0.0
     reporters: int = 0
     samples: list[int] = field(default_factory=list)
+    digest: int = 0  # sum of the samples' CRCs (elastic.data.batch_digest)
     duration: float = 0.0  # the slowest rank's time for the step, measured on the workers
 
 
@@ -73,6 +74,7 @@ class Controller:
         fault_store=None,
         scaling: ScalingPolicy | None = None,
         failure: FailurePolicy | None = None,
+        data: DataInfo | None = None,
         clock=time.time,
     ):
         self.cfg = cfg
@@ -84,7 +86,8 @@ class Controller:
         self.failure_policy = failure or FailurePolicy(cfg.fault.max_failures)
         self.watchdog = HangWatchdog(cfg.fault)
         self.clock = clock
-        self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, cfg.training.global_batch)
+        self.data = data or describe(cfg)
+        self.sampler = GlobalSampler(self.data.train_samples, cfg.data.seed, cfg.training.global_batch)
         self.ledger = SampleLedger()
         self.faults = list(faults)
         self.fired: dict[int, float] = {}
@@ -97,6 +100,8 @@ class Controller:
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
         self.tallies: dict[int, _StepTally] = {}
+        self.eval_losses: dict[int, float] = {}  # held-out loss after the step count it is keyed by
+        self.eval_tallies: dict[int, list] = {}  # step -> [loss sum, batch records] while an evaluation reports
         self.failures: list[dict] = []
         self.open_failure: dict | None = None
         self.finished_ranks: set[int] = set()
@@ -164,17 +169,25 @@ class Controller:
                 time.sleep(self.cfg.fault.heartbeat_s)
             return
         self.waiting_since = None
+        try:
+            position = resume_position(self.cfg.checkpoint.uri, self.resume_step, self.data) if self.resume_step is not None else 0
+        except ConfigError as exc:  # a checkpoint of other data: resuming would train on the wrong samples
+            self.failed_reason = str(exc)
+            self._transition(State.FAILED, reason=self.failed_reason)
+            return
+        self.sampler.rebase(self.resume_step or 0, position)
         self.generation += 1
         self.layout = decision.layout
         self.events.emit(
             "generation_start", generation=self.generation, world_size=self.layout.world_size,
-            layout=self.layout.as_dict(), resume_step=self.resume_step, available=available, reason=decision.reason,
+            layout=self.layout.as_dict(), resume_step=self.resume_step, data_position=position, available=available, reason=decision.reason,
         )
+        data = self.data.to_json()
         unfired = [f.as_dict() for f in self.faults if f.id not in self.fired and f.kind != "corrupt"]
         specs = [
             RankSpec(
                 config=self.cfg.model_dump(mode="json"), layout=self.layout.as_dict(), rank=r, generation=self.generation,
-                resume_step=self.resume_step, faults=unfired, device=self._device(),
+                resume_step=self.resume_step, data_position=position, data=data, faults=unfired, device=self._device(),
             ).__dict__
             for r in range(self.layout.world_size)
         ]
@@ -187,6 +200,7 @@ class Controller:
         if self.generation == 1:
             self._replenish()  # the nodes without ranks; those with ranks started theirs alongside them
         self.tallies.clear()
+        self.eval_tallies.clear()
         self.spares_requested = self.generation == 1  # else once this generation has trained a step (see replenish)
         self.peer_errors_since = None
         self.last_polls = {}
@@ -262,6 +276,8 @@ class Controller:
                 self._on_step_record(rec, now)
             elif rec["kind"] == "saved":
                 self._on_saved(rank, rec)
+            elif rec["kind"] == "eval":
+                self._on_eval_record(rec, now)
             elif rec["kind"] == "ready":
                 self.watchdog.touch(now)
         if state.finished:
@@ -276,25 +292,43 @@ class Controller:
         tally.loss_sum += rec["loss_sum"]
         tally.reporters += 1
         tally.samples.extend(rec["samples"])
+        tally.digest += rec["data_digest"]
         if tally.reporters < self.layout.dp:
             return
         del self.tallies[step]
         t = self.cfg.training
         loss = tally.loss_sum / (t.global_batch * self.cfg.data.seq_len)
         self.losses[step] = loss
-        self.ledger.record(step, tally.samples)
+        self.ledger.record(step, tally.samples, expected=self.sampler.global_indices(step))
         duration = tally.duration
         self.completed_step = step
         self.watchdog.observe_step(duration, now)
         if not self.spares_requested:
             self.spares_requested = True
             self._replenish()
-        self.events.emit("step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, grad_norm=rec["grad_norm"])
+        self.events.emit(
+            "step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration,
+            grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
+        )
         if self.open_failure is not None:
             failure = self.open_failure
             failure["recover_s"] = now - failure["detected_at"]
             self.open_failure = None
             self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step)
+
+    def _on_eval_record(self, rec: dict, now: float) -> None:
+        """One data slice's loss sum over one eval batch; the eval event once every slice of every batch reported."""
+        self.watchdog.touch(now)  # an evaluation is progress: its batches keep the step deadline away
+        step = rec["step"]
+        tally = self.eval_tallies.setdefault(step, [0.0, 0])
+        tally[0] += rec["loss_sum"]
+        tally[1] += 1
+        if tally[1] < self.layout.dp * rec["batches"]:
+            return
+        del self.eval_tallies[step]
+        loss = tally[0] / (rec["samples"] * self.cfg.data.seq_len)
+        self.eval_losses[step] = loss
+        self.events.emit("eval", step=step, loss=loss, samples=rec["samples"], generation=self.generation)
 
     def _on_saved(self, rank: int, rec: dict) -> None:
         self.checkpoints.on_saved(rank, rec, self.layout.as_dict(), self.layout.world_size, self.generation)
@@ -303,8 +337,7 @@ class Controller:
         """The non-tensor state of the checkpoint of `step`, as JSON (layout-independent)."""
         return {
             "step": step,
-            "data_cursor": self.sampler.cursor(step),
-            "data_seed": self.cfg.data.seed,
+            "data": {"position": self.sampler.cursor(step), "identity": self.data.identity},
             "model_seed": self.cfg.training.seed,
             "scheduler": {"name": "warmup_cosine", "last_step": step, "lr": lr_at(step, self.cfg)},
             "generation": self.generation,
@@ -491,6 +524,8 @@ class Controller:
         self.ledger.rollback(start)
         for step in [s for s in self.losses if s >= start]:
             del self.losses[step]
+        for step in [s for s in self.eval_losses if s > start]:  # an evaluation after k steps is part of checkpoint k
+            del self.eval_losses[step]
         self.open_failure = record
         self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason, workers_kept=kept)
         self._transition(State.SCHEDULING, resume_step=resume)

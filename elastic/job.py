@@ -13,6 +13,7 @@ from elastic.cluster import connect
 from elastic.config import ConfigError, JobConfig
 from elastic.controller import Controller, State
 from elastic import rundir
+from elastic.data import DataInfo, describe, resume_position
 from elastic.events import EventLog
 from elastic.metrics import RayMetrics
 from elastic.preflight import check_job
@@ -30,14 +31,15 @@ def _absolute_local_uri(uri: str) -> str:
     return str(Path(uri).resolve())
 
 
-def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list, rundir.RunClaim]:
-    """Validate everything that can fail before any worker starts, and claim the run directory and the checkpoint URI.
+def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list, DataInfo, rundir.RunClaim]:
+    """Validate everything that can fail before any worker starts, resolve the data once, and claim the run directory and the checkpoint URI.
 
     The layout and fault checks are `elastic.preflight.check_job`'s (the ones
-    `elastic config validate` runs); the run directory and the checkpoint URI
-    are claimed for this invocation (`elastic.rundir.open_run`: leases, the
-    marker, `fresh`, no mixing with an earlier run). Every problem is a
-    ConfigError naming the field; the caller releases the claim.
+    `elastic config validate` runs); the data is indexed once (`DataInfo`);
+    the run directory and the checkpoint URI are claimed for this invocation
+    (`elastic.rundir.open_run`: leases, the marker, `fresh`, no mixing with an
+    earlier run). Every problem is a ConfigError naming the field; the caller
+    releases the claim.
     """
     faults = check_job(cfg, inject).faults
     cfg = cfg.model_copy(deep=True)
@@ -46,11 +48,12 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
         storage.check_writable(cfg.checkpoint.uri)
     except storage.CheckpointError as exc:  # its message names the URI and the reason
         raise ConfigError(f"checkpoint.uri: {exc}") from None
+    data = describe(cfg)
     try:
         claim = rundir.open_run(cfg, fresh=fresh)
     except OSError as exc:
         raise ConfigError(f"checkpoint.uri: cannot delete the checkpoints under {cfg.checkpoint.uri} (--fresh): {exc}") from None
-    return cfg, faults, claim
+    return cfg, faults, data, claim
 
 
 def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | None = None, fresh: bool = False, quiet: bool = False) -> dict:
@@ -64,14 +67,20 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
 
 
 def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, fresh: bool, quiet: bool) -> dict:
-    cfg, faults, claim = prepare(cfg, inject, fresh)
+    cfg, faults, data, claim = prepare(cfg, inject, fresh)
     try:
-        return _run_claimed(cfg, faults, claim, address=address, quiet=quiet)
+        return _run_claimed(cfg, faults, data, claim, address=address, quiet=quiet)
     finally:
         claim.release()
 
 
-def _run_claimed(cfg: JobConfig, faults: list, claim: rundir.RunClaim, *, address: str | None, quiet: bool) -> dict:
+def _run_claimed(cfg: JobConfig, faults: list, data: DataInfo, claim: rundir.RunClaim, *, address: str | None, quiet: bool) -> dict:
+    skipped: list[tuple[int, str]] = []
+    resume_step = None
+    if cfg.checkpoint.resume:
+        resume_step = storage.latest_valid(cfg.checkpoint.uri, on_skip=lambda step, reason: skipped.append((step, str(reason))))
+        if resume_step is not None:
+            resume_position(cfg.checkpoint.uri, resume_step, data)  # refuses other data before any worker starts
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper
     nodes = math.ceil(s.num_workers / per_node)
@@ -90,13 +99,14 @@ def _run_claimed(cfg: JobConfig, faults: list, claim: rundir.RunClaim, *, addres
     host = "127.0.0.1" if cluster is not None else ray.util.get_node_ip_address()
     store = open_store(host)
     group = RayWorkerGroup(cfg, host, store.port)
-    ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store)
+    ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store, data=data)
     claim.start_renewing(on_lost=ctrl.abort)  # another job took over our run directory or checkpoints: stop writing
     try:
         events.emit("job_start", name=cfg.name, attempt=claim.attempt, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
         events.emit("metrics_endpoint", url=metrics.url)
-        if cfg.checkpoint.resume:
-            ctrl.resume_step = ctrl.checkpoints.restore_point()
+        for step, reason in skipped:
+            events.emit("checkpoint_skipped", step=step, reason=reason)
+        ctrl.resume_step = ctrl.checkpoints.last_committed = resume_step
         ctrl.run()
     finally:
         group.shutdown()

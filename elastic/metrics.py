@@ -77,6 +77,7 @@ class RayMetrics:
         )
         self.tokens_per_s = Gauge("elastic_tokens_per_second", "Training throughput of the last step.", tag_keys=job_tag)
         self.loss = Gauge("elastic_loss", "Mean training loss of the last step.", tag_keys=job_tag)
+        self.eval_loss = Gauge("elastic_eval_loss", "Mean loss on the held-out split at the last evaluation.", tag_keys=job_tag)
         self.grad_norm = Gauge("elastic_grad_norm", "Global gradient norm of the last step, before clipping.", tag_keys=job_tag)
         self.world_size = Gauge("elastic_world_size", "Ranks in the current generation.", tag_keys=job_tag)
         self.generation = Gauge("elastic_generation", "Current generation (restarts and resizes so far + 1).", tag_keys=job_tag)
@@ -112,6 +113,8 @@ class RayMetrics:
                 self.grad_norm.set(e["grad_norm"], tags)
             self.world_size.set(e["world_size"], tags)
             self.generation.set(e["generation"], tags)
+        elif kind == "eval":
+            self.eval_loss.set(e["loss"], tags)
         elif kind == "generation_start":
             self.world_size.set(e["world_size"], tags)
             self.generation.set(e["generation"], tags)

@@ -19,7 +19,7 @@ SIZE_IN = (8.0, 4.5)
 DPI = 120
 """960 x 540 pixels: readable in a browser and in a Markdown page."""
 
-COLORS = {"training": "#4c72b0", "checkpoint stall": "#8172b2", "detection": "#c44e52", "recovery": "#dd8452",
+COLORS = {"training": "#4c72b0", "eval": "#da8bc3", "checkpoint stall": "#8172b2", "detection": "#c44e52", "recovery": "#dd8452",
           "lost work": "#937860", "other": "#bbbbbb"}
 
 
@@ -38,9 +38,13 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_loss(report: dict, tl: RunTimeline, path: Path) -> Path:
-    """Loss per kept step; rolled-back runs of a step in grey; failures (red) and resizes (green) as vertical lines."""
+    """Loss per kept step and held-out loss per evaluation; rolled-back runs of a step in grey; failures (red) and resizes (green) as vertical lines."""
     fig, ax = _figure()
     ax.plot(tl.kept_steps, tl.kept_losses, color=COLORS["training"], linewidth=1.2, label="loss (kept steps)")
+    if tl.eval_steps:
+        # After k steps: the weights whose training loss step k (counting from 0) reports.
+        ax.plot(tl.eval_steps, tl.eval_losses, color=COLORS["eval"], marker="o", markersize=4, linewidth=1.2,
+                label="held-out loss")
     if tl.rolled_back:
         steps, losses = zip(*tl.rolled_back)
         ax.scatter(steps, losses, s=6, color="#999999", zorder=3, label="rolled back by a recovery")

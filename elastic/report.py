@@ -3,7 +3,10 @@
 Built from the controller's own record at the end of a run. Every failure is
 matched to the injected fault it detected (when there was one), with the
 time from fault to detection and from detection to the first completed step
-of the next generation.
+of the next generation. `samples` is the ledger: every kept step's samples
+against the ones the global order assigned it; `data` says where in that
+order the run started and ended (a resumed job starts where its checkpoint
+left off); `eval_losses` are the held-out losses, by step.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ def build_report(ctrl, attempt: int = 1) -> dict:
     wall = ctrl.clock() - ctrl.started_at
     last_run = {e["step"]: e["step_s"] for e in ctrl.events.of("step")}  # a re-run step overwrites its rolled-back run
     kept_time = sum(last_run[s] for s in steps)
-    expected = [i for s in range(len(steps)) for i in ctrl.sampler.global_indices(s)]
     injected = ctrl.events.of("fault_injected")
     return {
         "name": cfg.name,
@@ -40,7 +42,16 @@ def build_report(ctrl, attempt: int = 1) -> dict:
         "failures_detected": len(ctrl.failures),
         "faults_injected": len(injected),
         "faults": [{k: e.get(k) for k in ("fault_id", "kind", "rank", "step", "node", "t_fault")} for e in injected],
-        "samples": ctrl.ledger.summary(expected),
+        "samples": ctrl.ledger.summary(),
+        "data": {
+            "kind": cfg.data.kind,
+            "train_samples": ctrl.data.train_samples,
+            "eval_samples": ctrl.data.eval_samples,
+            "start_position": ctrl.sampler.cursor(steps[0]) if steps else None,
+            "end_position": ctrl.sampler.cursor(steps[-1] + 1) if steps else None,
+        },
+        "eval_losses": [{"step": s, "loss": ctrl.eval_losses[s]} for s in sorted(ctrl.eval_losses)],
+        "final_eval_loss": ctrl.eval_losses[max(ctrl.eval_losses)] if ctrl.eval_losses else None,
         "checkpoints_committed": [e["step"] for e in ctrl.events.of("checkpoint_committed")],
         "checkpoints_skipped": [{"step": e["step"], "reason": e["reason"]} for e in ctrl.events.of("checkpoint_skipped")],
         "last_committed_step": ctrl.last_committed,

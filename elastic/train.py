@@ -3,8 +3,9 @@
 It runs inside an initialised torch.distributed group and reports what it does
 through a `Progress` sink (its rank process pushes it to the controller; a
 plain torch.distributed program can print it). The learning rate is a pure
-function of the step and the data position a pure function of the step, so
-the state that must survive a restart is the tensors plus one integer.
+function of the step and the data position a pure function of the step and
+the position the generation started at, so the state that must survive a
+restart is the tensors plus two integers.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import torch.distributed as dist
 
 import storage
 from elastic.config import JobConfig
-from elastic.data import GlobalSampler, SyntheticTokens
+from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_datasets
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.model import build_model, initial_state
 from strategies import clip_grad_norm, load_full_state, parallelize
 
-PHASES = ("start", "load", "data", "forward_backward", "optimizer", "save", "done")
+PHASES = ("start", "load", "data", "forward_backward", "optimizer", "eval", "save", "done")
 STEP_REPORT_S = 0.25
 """How often step records are pushed to the controller's waiting poll: fresh enough for progress,
 deadlines and accounting, rare enough that polling takes little from training. Each rank keeps
@@ -69,8 +70,8 @@ class Progress:
         now = time.time()
         with self._lock:
             self._records.append({"kind": kind, "t": now, **fields})
-        # Step records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
-        if kind != "step" or now - self._last_wake >= STEP_REPORT_S:
+        # Step and eval-batch records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
+        if kind not in ("step", "eval") or now - self._last_wake >= STEP_REPORT_S:
             self._last_wake = now
             self.changed.set()
 
@@ -97,6 +98,10 @@ class RankSpec:
     rank: int
     generation: int
     resume_step: int | None = None
+    data_position: int = 0
+    """Samples of the global order consumed before the first step (the resumed checkpoint's position)."""
+    data: dict | None = None
+    """The driver's `DataInfo` as JSON (None: this rank resolves the data itself)."""
     faults: list[dict] = field(default_factory=list)
     device: str = "cpu"
 
@@ -129,8 +134,11 @@ class Trainer:
         self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
         self.device = torch.device(spec.device)
-        self.data = SyntheticTokens(self.cfg.data, self.cfg.model.vocab_size)
-        self.sampler = GlobalSampler(self.cfg.data.num_samples, self.cfg.data.seed, self.cfg.training.global_batch)
+        info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
+        self.data, self.eval_data = open_datasets(self.cfg, info)
+        self.sampler = GlobalSampler(
+            info.train_samples, self.cfg.data.seed, self.cfg.training.global_batch, spec.resume_step or 0, spec.data_position
+        )
 
     # -- set-up ------------------------------------------------------------------
     def build(self) -> None:
@@ -207,7 +215,9 @@ class Trainer:
             t0 = time.time()
             self.progress.enter("data", step)
             indices = self.sampler.rank_indices(step, dp_rank, layout.dp)
-            inputs, labels = (x.to(self.device) for x in self.data.batch(indices))
+            inputs, labels = self.data.batch(indices)
+            digest = batch_digest(inputs, labels) if reporter else None
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
             self.progress.enter("forward_backward", step)
             loss_sum = self.pm.forward_backward(inputs, labels, scale)
             self.progress.enter("optimizer", step)
@@ -219,10 +229,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             record = {"step": step, "t_start": t0, "grad_norm": float(grad_norm)}
             if reporter:
-                record.update(loss_sum=float(loss_sum), samples=indices)
+                record.update(loss_sum=float(loss_sum), samples=indices, data_digest=digest)
             record["t_end"] = time.time()
             self.progress.record("step", **record)
             done = step + 1
+            if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+                self.evaluate(done, reporter, dp_rank)
             stop_here = self.control.stop_at is not None and done >= self.control.stop_at
             if done % cfg.checkpoint.every_steps == 0 or done == t.steps or stop_here:
                 # The last save of a run (or before a planned resize) is synchronous: nothing may be lost.
@@ -233,6 +245,28 @@ class Trainer:
         self._wait_for_writer()
         self.progress.enter("done", t.steps)
         return True
+
+    def evaluate(self, step: int, reporter: bool, dp_rank: int) -> None:
+        """Forward the held-out split in whole global batches, each rank its slice; reporters record each batch's loss sum.
+
+        It reads only the eval split, in index order, and changes neither the
+        weights nor the training order: the run trains the same with or without it.
+        """
+        self.progress.enter("eval", step)
+        gb, dp = self.cfg.training.global_batch, self.layout.dp
+        per_rank, batches = gb // dp, len(self.eval_data) // gb
+        for part in self.pm.model_parts:
+            part.eval()
+        try:
+            for b in range(batches):
+                first = b * gb + dp_rank * per_rank
+                inputs, labels = (x.to(self.device) for x in self.eval_data.batch(list(range(first, first + per_rank))))
+                loss_sum = self.pm.evaluate(inputs, labels)
+                if reporter:
+                    self.progress.record("eval", step=step, batch=b, batches=batches, samples=batches * gb, loss_sum=float(loss_sum))
+        finally:
+            for part in self.pm.model_parts:
+                part.train()
 
     def _wait_for_writer(self) -> None:
         """Block until the save in flight is written; a failed write raises here, in the training thread."""

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastic.config import ParallelConfig
@@ -86,6 +86,42 @@ class ParallelModel:
             loss = self.loss_fn(model(x), y)
             (loss * loss_scale).backward()
             total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only over the local batch: its summed loss (zero on ranks without the last pipeline stage).
+
+        The same micro-batching as `forward_backward`, no gradients: held-out
+        evaluation between steps leaves the parameters and their gradients as they were.
+        FSDP keeps the root's parameters gathered after forward for the backward
+        that follows; with no backward coming, they are resharded here, or the
+        module would go on holding full tensors instead of its sharded parameters.
+        """
+        try:
+            return self._evaluate(inputs, labels)
+        finally:
+            for part in self.model_parts:
+                for module in part.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
+
+    def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if inputs.shape[1] % self.seq_divisor:
+            raise ValueError(f"sequence parallelism shards the sequence over tp={self.seq_divisor}: seq_len {inputs.shape[1]} must divide by it")
+        if self.schedule is not None:
+            if inputs.shape[0] % self.n_microbatches:
+                raise ValueError(f"the local batch ({inputs.shape[0]}) must divide into parallel.pp_microbatches ({self.n_microbatches})")
+            self._loss_scale = 1.0
+            losses: list[torch.Tensor] = []
+            self.schedule.eval(*((inputs,) if self.has_first_stage else ()), target=labels, losses=losses)
+            if not self.has_last_stage:
+                return torch.zeros((), device=inputs.device)
+            return torch.stack(losses).sum().reshape(())
+        (model,) = self.model_parts
+        total = torch.zeros((), device=inputs.device)
+        for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)):
+            total += self.loss_fn(model(x), y)
         return total
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ def s3(tmp_path_factory):
                 time.sleep(0.1)
         import s3fs
 
+        s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches clients: one made for an earlier module's server would be reused
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
         yield f"s3://{BUCKET}"
     finally:

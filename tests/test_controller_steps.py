@@ -13,7 +13,7 @@ import torch
 import storage
 from elastic.config import load_config
 from elastic.controller import Controller, State
-from elastic.data import GlobalSampler
+from elastic.data import DataInfo, GlobalSampler
 from elastic.events import EventLog
 from elastic.messages import RankState, RankStatus, StackDump
 from elastic.worker_group import RanksUnreachable
@@ -24,7 +24,7 @@ class ScriptedGroup:
         self.cfg = cfg
         self.cap = capacity
         self.excluded_nodes: set[str] = set()
-        self.sampler = GlobalSampler(cfg.data.num_samples, cfg.data.seed, cfg.training.global_batch)
+        self.sampler = None  # the ranks' sampler, from the specs of each start
         self.kill_rank_at: dict[int, int] = {}  # step -> rank that dies before it
         self.hang_at: int | None = None
         self.layout = None
@@ -40,6 +40,8 @@ class ScriptedGroup:
     def start(self, layout, specs, *, with_spares: bool = False) -> None:
         self.layout, self.gen = layout, specs[0]["generation"]
         self.step = specs[0]["resume_step"] or 0
+        info = DataInfo.from_json(specs[0]["data"])
+        self.sampler = GlobalSampler(info.train_samples, self.cfg.data.seed, self.cfg.training.global_batch, self.step, specs[0]["data_position"])
         self.starts.append((layout.world_size, specs[0]["resume_step"]))
         self.stop_at = None
 
@@ -88,7 +90,7 @@ class ScriptedGroup:
         for r in range(world):
             rec = {"kind": "step", "step": step, "t_start": 0.0, "t_end": 0.01, "grad_norm": 1.0}
             if self.layout.is_data_reporter(r):
-                rec.update(loss_sum=1.0, samples=self.sampler.rank_indices(step, self.layout.dp_rank(r), self.layout.dp))
+                rec.update(loss_sum=1.0, samples=self.sampler.rank_indices(step, self.layout.dp_rank(r), self.layout.dp), data_digest=0)
             records = [rec]
             if done % self.cfg.checkpoint.every_steps == 0 or done == self.cfg.training.steps or done == self.stop_at:
                 rows = storage.write_shards(self.cfg.checkpoint.uri, done, r, {f"model.r{r}": torch.full((3,), float(done))}, generation=self.gen)

@@ -27,15 +27,18 @@ def test_random_faults_seeded_cover_kinds():
 def test_ledger_rollback_and_summary():
     ledger = SampleLedger()
     for step in range(4):
-        ledger.record(step, [step * 2, step * 2 + 1])
+        ledger.record(step, [step * 2, step * 2 + 1], expected=[step * 2, step * 2 + 1])
     ledger.rollback(2)
     assert ledger.steps() == [0, 1]
+    assert ledger.summary()["expected"] == 4  # the rolled-back steps' assignments went with them
     for step in range(2, 4):
-        ledger.record(step, [step * 2, step * 2 + 1])
+        ledger.record(step, [step * 2, step * 2 + 1], expected=[step * 2, step * 2 + 1])
     assert ledger.summary(list(range(8))) == {"expected": 8, "seen_once": 8, "duplicated": 0, "missing": 0}
-    ledger.record(3, [7])
+    assert ledger.summary() == ledger.summary(list(range(8)))
+    ledger.record(3, [7], expected=[6, 7])
     assert ledger.summary(list(range(9)))["duplicated"] == 1
     assert ledger.summary(list(range(9)))["missing"] == 1
+    assert ledger.summary()["duplicated"] == 1  # step 3 counted twice: its samples were seen twice
 
 
 def test_watchdog_calibrates_after_warmup():

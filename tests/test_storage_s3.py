@@ -1,4 +1,4 @@
-"""Checkpoints over s3:// (pyarrow for the bulk bytes, s3fs for the rest) against a moto server on 127.0.0.1, saved and loaded at different world sizes."""
+"""Checkpoints over s3:// (pyarrow for the bulk bytes, s3fs for the rest) against a moto server on 127.0.0.1 (the `s3` fixture of conftest.py), saved and loaded at different world sizes."""
 
 from __future__ import annotations
 

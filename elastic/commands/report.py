@@ -106,6 +106,8 @@ class RunTimeline:
 
     kept_steps: list[int] = field(default_factory=list)
     kept_losses: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
     rolled_back: list[tuple[int, float]] = field(default_factory=list)
     failures: list[Marker] = field(default_factory=list)
     resizes: list[Marker] = field(default_factory=list)
@@ -127,6 +129,7 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     t0 = next((e["t"] for e in events if e["event"] == "job_start"), events[0]["t"])
     out = RunTimeline(world=[(0.0, 0)])  # nobody trains until the first generation starts
     last_run: dict[int, dict] = {}
+    last_eval: dict[int, float] = {}  # an evaluation run again after a recovery overwrites the earlier one
     step_times = []
     starting: tuple[float, int] | None = None  # a generation counts as training from its first step, not its start-up
     for e in events:
@@ -139,6 +142,8 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
                 out.rolled_back.append((e["step"], last_run[e["step"]]["loss"]))
             last_run[e["step"]] = e
             step_times.append(e["step_s"])
+        elif kind == "eval":
+            last_eval[e["step"]] = e["loss"]
         elif kind == "generation_start":
             trained = _last_training_size(out.world)
             if trained is not None and e["world_size"] != trained:
@@ -151,6 +156,8 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
             starting = None
     out.kept_steps = sorted(last_run)
     out.kept_losses = [last_run[s]["loss"] for s in out.kept_steps]
+    out.eval_steps = sorted(last_eval)
+    out.eval_losses = [last_eval[s] for s in out.eval_steps]
     out.end_t = events[-1]["t"] - t0
     out.wall_s = float(report.get("wall_s") or out.end_t)
 
@@ -195,6 +202,8 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("goodput", f"{report['goodput']:.1%} of wall time in kept training steps"),
         ("loss", f"{_num(report['initial_loss'], '{:.4f}')} -> {_num(report['final_loss'], '{:.4f}')}"),
+        *([("eval loss", f"{_num(report['final_eval_loss'], '{:.4f}')} after {report['eval_losses'][-1]['step']} steps "
+                         f"({len(report['eval_losses'])} evaluations)")] if report.get("eval_losses") else []),
         ("world sizes", " -> ".join(sizes) or "-"),
         ("generations", str(report["generations"])),
         ("failures", f"{report['failures_detected']} detected, {report['faults_injected']} faults injected"),
