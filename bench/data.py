@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--demo-steps", type=int, default=60)
     ap.add_argument("--out", default=str(ROOT / "bench/results/data.json"))
     args = ap.parse_args()
+    started = time.perf_counter()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="bench-data-"))
     loadavg_start = os.getloadavg()
@@ -241,6 +242,7 @@ def main() -> None:
                            "x_training = tokens source / what one rank of the demo job consumes"},
         "training": demo,
         "results": results,
+        "bench_wall_s": round(time.perf_counter() - started, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))

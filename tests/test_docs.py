@@ -208,6 +208,8 @@ def _skip_reason(command: DocCommand) -> str | None:
         return "starts a training job"
     if args[:1] == ["report"]:
         return "needs a run directory"
+    if args[:2] == ["data", "prepare"]:
+        return "needs the user's text files and tokenizer"
     if "-o" in args or "--output" in args:
         return "writes a file of the repository"
     return None
