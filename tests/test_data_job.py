@@ -77,18 +77,21 @@ def test_resume_with_another_global_batch_continues_and_other_data_is_refused(tm
                          **{"training.steps": 20, "training.global_batch": 32, "training.micro_batch": 8})
     b = run_job(second, quiet=True)
     assert b["state"] == "FINISHED" and b["data"]["start_position"] == a["data"]["end_position"]
-    events_b = read_events(second.run_dir / "events.jsonl")[len(events_a):]  # the run directory's log goes on
+    events_b = read_events(second.run_dir / "events.jsonl")  # this invocation's log; the first one's is in attempts/1
+    assert read_events(second.run_dir / "attempts" / "1" / "events.jsonl") == events_a
     assert [e["resume_step"] for e in events_b if e["event"] == "generation_start"] == [12]
     _check_every_step(b, events_b, stream, first.data.seed, n, 32, start_position=12 * 16, first_step=12)
     # Together: positions [0, 192) then [192, 448) of the order, every step's rows as expected: each sample exactly once per epoch.
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(json.loads(second.model_dump_json())))
-    for sets, field in ((["data.seed=99"], "data.seed changed (1234 -> 99)"), (["data.seq_len=8"], "data.seq_len changed (16 -> 8)")):
+    # training.steps raised: a finished run is refused as such before its data is compared.
+    for sets, field in ((["data.seed=99", "training.steps=24"], "data.seed changed (1234 -> 99)"),
+                        (["data.seq_len=8", "training.steps=24"], "data.seq_len changed (16 -> 8)")):
         assert main(["run", str(job), *(a for s in sets for a in ("--set", s))]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and field in err[0] and "cannot resume from step 20" in err[0]
     write_corpus(tmp_path / "corpus" / "more", ("bin",), seed=7)  # one more file under data.path
-    assert main(["run", str(job)]) == 2
+    assert main(["run", str(job), "--set", "training.steps=24"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.path's files" in err[0]

@@ -215,8 +215,8 @@ def test_resume_position_refuses_other_data(tmp_path):
     cfg = _cfg({"path": str(tmp_path / "c")})
     info = describe(cfg)
     uri = str(tmp_path / "ckpt")
-    rows = storage.write_shards(uri, 4, 0, {"model.w": torch.zeros(2)})
-    storage.commit(uri, 4, rows, layout={}, train_state={"step": 4, "data": {"position": 32, "identity": info.identity}})
+    rows = storage.write_shards(uri, 4, 0, {"model.w": torch.zeros(2)}, generation=1)
+    storage.commit(uri, 4, rows, generation=1, layout={}, train_state={"step": 4, "data": {"position": 32, "identity": info.identity}})
     assert resume_position(uri, 4, info) == 32
     for data, field in (({"seed": 5}, "data.seed changed (1234 -> 5)"), ({"seq_len": 4}, "data.seq_len changed (8 -> 4)"),
                         ({"eos_token": None}, "data.eos_token changed (61 -> None)"), ({"new_file": True}, "data.path's files")):
@@ -225,7 +225,7 @@ def test_resume_position_refuses_other_data(tmp_path):
         with pytest.raises(ConfigError) as err:
             resume_position(uri, 4, describe(_cfg({"path": str(tmp_path / "c"), **data})))
         assert field in str(err.value) and "step 4" in str(err.value) and "\n" not in str(err.value)
-    storage.commit(uri, 8, storage.write_shards(uri, 8, 0, {"model.w": torch.zeros(2)}), layout={}, train_state={"step": 8})
+    storage.commit(uri, 8, storage.write_shards(uri, 8, 0, {"model.w": torch.zeros(2)}, generation=1), generation=1, layout={}, train_state={"step": 8})
     with pytest.raises(ConfigError, match="no data position"):
         resume_position(uri, 8, info)
     assert json.loads(json.dumps(info.to_json())) == info.to_json()  # ranks receive it as JSON
