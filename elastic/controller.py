@@ -293,7 +293,8 @@ class Controller:
             "data_cursor": self.sampler.cursor(step),
             "data_seed": self.cfg.data.seed,
             "model_seed": self.cfg.training.seed,
-            "scheduler": {"name": "warmup_cosine", "last_step": step, "lr": lr_at(step, self.cfg)},
+            "scheduler": {"name": self.cfg.training.schedule, "last_step": step, "lr": lr_at(step, self.cfg)},
+            "model": self.cfg.model.model_dump(mode="json"),  # how `elastic ckpt export` rebuilds the model's spec
             "generation": self.generation,
         }
         all_rows = [row for r in sorted(rows) for row in rows[r]["rows"]]

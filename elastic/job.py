@@ -19,6 +19,7 @@ from elastic.events import EventLog
 from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
 from elastic.progress import ProgressPrinter
+from elastic.recipe import check_model
 from elastic.report import build_report, write_report
 from elastic.sched import batch_what_starts_here
 from elastic.worker_group import RayWorkerGroup
@@ -32,13 +33,16 @@ def _absolute_local_uri(uri: str) -> str:
 
 
 def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list]:
-    """Validate everything that can fail before any worker starts."""
+    """Validate everything that can fail before any worker starts (the model too: built on meta, checked at the layout)."""
     try:
         faults = parse_faults(list(cfg.fault.inject) + list(inject or []))
     except FaultSpecError as exc:
         raise ConfigError(str(exc)) from None
+    check_model(cfg)
     cfg = cfg.model_copy(deep=True)
     cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
+    if cfg.model.init_from:
+        cfg.model.init_from = _absolute_local_uri(cfg.model.init_from)
     run_dir = cfg.run_dir
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)

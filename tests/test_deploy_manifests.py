@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from elastic.config import JobConfig, load_config
-from strategies.planner import Hardware, choose_layout
+from elastic.planning import choose_layout
+from strategies.planner import Hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
