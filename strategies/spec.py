@@ -56,8 +56,8 @@ Weights and checks
 - `check(parallel, seq_len)` returns what keeps this model from running at a
   parallel layout and sequence length (heads that `tp` does not divide, ...),
   each a one-line message naming the field: the job refuses to start with it.
-- `export_files()` gives the files written next to exported weights (a
-  Hugging Face `config.json`, ...), by name.
+- `export_files(dtype)` gives the files written next to exported weights of
+  that dtype (a Hugging Face `config.json`, ...), by name.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ModelSpec:
     init_buffers: Callable[[nn.Module], None] | None = None
     checkpoint_key: Callable[[str, frozenset], str] | None = None
     check: Callable[[ParallelOptions, int], list[str]] | None = None
-    export_files: Callable[[], dict[str, bytes]] | None = None
+    export_files: Callable[[torch.dtype], dict[str, bytes]] | None = None
     vocab_size: int | None = None  # token ids the model takes (synthetic data draws from them)
 
     def plan(self, *, sequence_parallel: bool) -> TPPlan | None:
