@@ -21,6 +21,8 @@ every layout needs:
 - the rotary `inv_freq` buffers, garbage after `to_empty`, are re-created;
 - `init_weights` draws as Hugging Face's `_init_weights` does (normal with
   `initializer_range`, zero biases, unit norms);
+- per-head norms (Qwen3's `q_norm`, `k_norm`: `replicated_with_grad_allreduce`)
+  keep their weight whole on every tp rank and sum its gradient over tp;
 - `check` refuses what would train wrongly or crash: tp not dividing the
   heads, the kv heads, the MLP or the vocabulary; a style of the model's TP
   plan this module does not know; sliding-window attention over sequences
@@ -89,7 +91,7 @@ def causal_lm_spec(model: nn.Module, *, split_points: Sequence[str] | None = Non
     rotary = f"{base}.rotary_emb"
     has_rotary = isinstance(getattr(model.get_submodule(base), "rotary_emb", None), nn.Module)
     hf_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    unknown = {k: v for k, v in hf_plan.items() if v not in ("colwise", "rowwise")}
+    unknown = {k: v for k, v in hf_plan.items() if v not in ("colwise", "rowwise", "replicated_with_grad_allreduce")}
     block = next(iter(model.get_submodule(blocks).children()))
     norms = _norm_names(block)
     sublayers = sorted({key.split(".")[2] for key in hf_plan if key.startswith("layers.*.") and key.count(".") >= 3})
@@ -102,6 +104,10 @@ def causal_lm_spec(model: nn.Module, *, split_points: Sequence[str] | None = Non
                 plan[f"{base}.{key}"] = ColwiseParallel()
             elif style == "rowwise":
                 plan[f"{base}.{key}"] = RowwiseParallel(output_layouts=act)
+            elif style == "replicated_with_grad_allreduce":
+                # A norm over each head (Qwen3's q_norm, k_norm): its input is split by heads (dim -2) across tp, its weight
+                # replicated; DTensor sums the weight's gradient over tp, which the heads' partial gradients need.
+                plan[f"{base}.{key}"] = SequenceParallel(sequence_dim=-2, use_local_output=True)
         for fqn in first:
             plan[fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
         *norms_last, head = last

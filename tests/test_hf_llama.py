@@ -6,7 +6,9 @@
   change of reduction order, so weights are a weak check, losses the strict one);
 - `init_from` a `save_pretrained` directory gives the reference's first loss;
 - a checkpoint trained at tp=2, exported with `elastic ckpt export`, loads with
-  `AutoModelForCausalLM.from_pretrained` and gives the same logits.
+  `AutoModelForCausalLM.from_pretrained` and gives the same logits;
+- `strategies.hf.causal_lm_spec` serves another family as is: a Qwen3 (per-head
+  q/k norms, whose gradients tp must sum) at tp=2 with sequence parallel.
 """
 
 from __future__ import annotations
@@ -48,6 +50,20 @@ def _meta_model():
 
 
 SPEC = _meta()[1]
+
+
+def build_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from strategies.hf import causal_lm_spec
+
+    model = Qwen3ForCausalLM(Qwen3Config(**{**ARGS, "head_dim": 8}))
+    return model, causal_lm_spec(model)
+
+
+def _meta_qwen3():
+    with torch.device("meta"):
+        return build_qwen3()[0]
 
 
 def _logits(model, inputs):
@@ -93,6 +109,9 @@ def _train_save_and_predict(rank: int, uri: str) -> torch.Tensor:
 
 def _run(rank: int, world: int, pretrained: str, uri: str) -> dict:
     out = {name: train_layout(rank, layout, parallel, _meta_model, SPEC, micro) for name, (layout, parallel, micro) in LAYOUTS.items()}
+    with torch.device("meta"):
+        qwen_spec = build_qwen3()[1]
+    out["qwen3_tp2_sp"] = train_layout(rank, Layout(tp=2), ParallelConfig(tp=2), _meta_qwen3, qwen_spec, 4)
     out["pretrained_loss"] = _first_loss_from_pretrained(rank, pretrained)
     out["trained_logits"] = _train_save_and_predict(rank, uri)
     return out
@@ -106,18 +125,23 @@ def results(tmp_path_factory):
     released.save_pretrained(root / "pretrained")
     full = initial_state(_meta_model(), SPEC, seed=0)
     ref = reference_train(build(**ARGS)[0], {k: v.clone() for k, v in full.items()}, forward=_logits)
+    with torch.device("meta"):
+        qwen_meta, qwen_spec = build_qwen3()
+    qwen_full = initial_state(qwen_meta, qwen_spec, seed=0)
+    qwen_ref = reference_train(build_qwen3()[0], {k: v.clone() for k, v in qwen_full.items()}, forward=_logits)
     ranks = run_distributed(_run, 2, str(root / "pretrained"), str(root / "ckpt"))
-    return {"ref": ref, "initial": full, "ranks": ranks, "root": root, "released": released}
+    return {"ref": ref, "initial": full, "ranks": ranks, "root": root, "released": released, "qwen3": (qwen_ref, qwen_full)}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_llama_layout_matches_transformers(name, results):
-    ref = results["ref"]
-    got = merge_ranks([r[name] for r in results["ranks"]], LAYOUTS[name][0])
+@pytest.mark.parametrize("name", [*LAYOUTS, "qwen3_tp2_sp"])
+def test_layout_matches_transformers(name, results):
+    ref, initial = results["qwen3"] if name == "qwen3_tp2_sp" else (results["ref"], results["initial"])
+    layout = Layout(tp=2) if name == "qwen3_tp2_sp" else LAYOUTS[name][0]
+    got = merge_ranks([r[name] for r in results["ranks"]], layout)
     for key in ("losses", "norms"):
         assert rel_err(got[key], ref[key]) < TOL, f"{name} {key}: {got[key].tolist()} vs {ref[key].tolist()}"
     assert set(got["params"]) == set(ref["params"])
-    moved = rel_err(torch.cat([p.flatten() for p in ref["params"].values()]), torch.cat([results["initial"][k].flatten() for k in ref["params"]]))
+    moved = rel_err(torch.cat([p.flatten() for p in ref["params"].values()]), torch.cat([initial[k].flatten() for k in ref["params"]]))
     assert moved > 100 * WEIGHT_TOL, "the reference barely trained: the weight check could not fail"
     bad = {k: e for k in ref["params"] if (e := rel_err(got["params"][k], ref["params"][k])) > WEIGHT_TOL}
     assert not bad, f"{name}: weights differ: {bad}"
@@ -157,3 +181,51 @@ def test_export_loads_with_from_pretrained_and_predicts_the_same(results, capsys
     trained = results["ranks"][0]["trained_logits"]
     assert rel_err(logits, trained) < TOL
     assert rel_err(logits, _logits(build(**ARGS)[0], inputs[0]).detach()) > 0.01  # the trained weights, not a fresh model's
+
+
+# --------------------------------------------------------------------------- the spec on its own (one process)
+def test_spec_from_the_hugging_face_config():
+    model, spec = _meta()
+    assert (spec.first, spec.blocks, spec.last) == (("model.embed_tokens",), "model.layers", ("model.norm", "lm_head"))
+    assert spec.run_parts and model.config._attn_implementation == "sdpa"  # a bare config would select eager attention
+    plan = spec.plan(sequence_parallel=True)
+    assert {k for k, v in plan.items() if type(v).__name__ == "SequenceGather"} == {"model.layers.*.self_attn", "model.layers.*.mlp"}
+    assert {k for k, v in plan.items() if type(v).__name__ == "SequenceParallel"} == {
+        "model.norm", "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"}
+    assert not [k for k, v in spec.plan(sequence_parallel=False).items() if type(v).__name__ in ("SequenceGather", "SequenceParallel")]
+
+
+def test_rotary_buffers_are_recreated_after_materialising():
+    model, spec = _meta()
+    model.to_empty(device="cpu")
+    model.model.rotary_emb.inv_freq.fill_(float("nan"))  # what to_empty may leave
+    spec.init_buffers(model)
+    assert torch.equal(model.model.rotary_emb.inv_freq, build(**ARGS)[0].model.rotary_emb.inv_freq)
+    from strategies.parallelize import model_problems
+
+    spec.init_buffers = None
+    (problem,) = model_problems(_meta_model(), spec, ParallelConfig())
+    assert "buffers (model.rotary_emb.inv_freq, model.rotary_emb.original_inv_freq)" in problem and "ModelSpec.init_buffers" in problem
+
+
+def test_spec_refuses_what_would_train_wrongly():
+    from elastic.config import ConfigError, load_config
+
+    def cfg(data=None, **args):
+        return load_config(data={"model": {"builder": "examples.hf_llama:build", "args": {**ARGS, **args}}, "data": {"seq_len": 8},
+                                 "scaling": {"workers_per_node": 0}, **(data or {})})
+
+    with pytest.raises(ConfigError, match=r"model.args num_key_value_heads \(2\) must be divisible by parallel.tp \(4\)"):
+        cfg({"parallel": {"tp": 4}})
+    with pytest.raises(ConfigError, match=r"model.embed_tokens.weight = lm_head.weight.*tie_word_embeddings=False"):
+        cfg(tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(window 4\).*data.seq_len \(8\)"):
+        cfg(sliding_window=4, use_sliding_window=True)
+    cfg(sliding_window=8, use_sliding_window=True)  # the window covers the sequence: plain causal attention
+
+
+def test_tied_checkpoints_load_into_an_untied_model():
+    keys = frozenset({"model.embed_tokens.weight", "model.norm.weight"})
+    assert SPEC.checkpoint_key("lm_head.weight", keys) == "model.embed_tokens.weight"
+    assert SPEC.checkpoint_key("lm_head.weight", keys | {"lm_head.weight"}) == "lm_head.weight"
+    assert SPEC.checkpoint_key("model.norm.weight", keys) == "model.norm.weight"
