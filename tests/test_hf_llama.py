@@ -229,3 +229,18 @@ def test_tied_checkpoints_load_into_an_untied_model():
     assert SPEC.checkpoint_key("lm_head.weight", keys) == "model.embed_tokens.weight"
     assert SPEC.checkpoint_key("lm_head.weight", keys | {"lm_head.weight"}) == "lm_head.weight"
     assert SPEC.checkpoint_key("model.norm.weight", keys) == "model.norm.weight"
+
+
+def test_the_1b_example_job_plans_onto_an_8_gpu_node():
+    from pathlib import Path
+
+    from elastic.config import load_config
+    from elastic.planning import choose_layout, model_inputs
+    from strategies.planner import Hardware
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "hf-llama-1b.yaml")
+    profile, _ = model_inputs(cfg)
+    assert 1.4e9 < profile.params < 1.6e9 and profile.n_layers == 16 and profile.vocab_size == 128256
+    for world in (8, 2):
+        layout, reason = choose_layout(world, cfg, hardware=Hardware(gpus=world, gpus_per_node=8, gpu_mem_bytes=80e9))
+        assert (layout.tp, layout.world_size) == (2, world), reason
