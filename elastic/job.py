@@ -19,7 +19,7 @@ from elastic.events import EventLog
 from elastic.faults import FaultSpecError, parse_faults
 from elastic.metrics import RayMetrics
 from elastic.progress import ProgressPrinter
-from elastic.recipe import check_model
+from elastic.recipe import check_init_from, check_model
 from elastic.report import build_report, write_report
 from elastic.sched import batch_what_starts_here
 from elastic.worker_group import RayWorkerGroup
@@ -51,6 +51,8 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
         storage.check_writable(cfg.checkpoint.uri)
     except Exception as exc:  # noqa: BLE001 - any reason the URI cannot be written is a config problem
         raise ConfigError(f"checkpoint.uri {cfg.checkpoint.uri!r} is not writable: {exc}") from None
+    if cfg.model.init_from and not (cfg.checkpoint.resume and storage.list_checkpoints(cfg.checkpoint.uri)):
+        check_init_from(cfg)  # the job starts from these weights: find out now, not on every rank
     return cfg, faults
 
 

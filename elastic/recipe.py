@@ -86,6 +86,15 @@ def check_model(cfg: JobConfig) -> None:
         raise ConfigError(_checked[key][0])
 
 
+def check_init_from(cfg: JobConfig) -> None:
+    """Raise ConfigError unless `model.init_from` holds a tensor of the right shape for every parameter (reads the file headers only)."""
+    model, spec = build_model(cfg.model)
+    try:
+        storage.SafetensorsDir(cfg.model.init_from).match({n: tuple(p.shape) for n, p in model.named_parameters()}, spec.checkpoint_key)
+    except (storage.CheckpointError, OSError) as exc:
+        raise ConfigError(f"model.init_from: {exc}") from None
+
+
 def initialize(pm: ParallelModel, model: nn.Module, cfg: JobConfig) -> str:
     """Fill the materialised `pm` with the job's initial weights; returns where they came from.
 

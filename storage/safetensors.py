@@ -106,6 +106,24 @@ class SafetensorsDir:
         for rel in files:
             self.entries.update(_header(self.store, rel))
 
+    def match(self, shapes: dict[str, tuple[int, ...]], checkpoint_key: Callable[[str, frozenset], str] | None = None) -> dict[str, str]:
+        """The tensor that fills each parameter (`fqn` -> name in the files); CheckpointError if one is missing or misshapen."""
+        names = frozenset(self.entries)
+        out, missing = {}, []
+        for fqn, shape in shapes.items():
+            key = checkpoint_key(fqn, names) if checkpoint_key is not None else fqn
+            if key not in self.entries:
+                missing.append(fqn if key == fqn else f"{fqn} (as {key})")
+            elif self.entries[key].shape != tuple(shape):
+                raise CheckpointError(f"{self.uri}: {key!r} is {list(self.entries[key].shape)} there, {list(shape)} in the model")
+            out[fqn] = key
+        if missing:
+            raise CheckpointError(
+                f"{self.uri}: no tensor for {len(missing)} parameters ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                f"it holds {len(names)} tensors ({', '.join(sorted(names)[:3])}, ...): map the names with ModelSpec.checkpoint_key"
+            )
+        return out
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The `box` of tensor `key` (global offsets and lengths), in its stored dtype, reading only its bytes.
 
@@ -165,24 +183,12 @@ def load_pretrained(
     values are converted to the parameter's dtype.
     """
     src = SafetensorsDir(uri, storage_options=storage_options)
-    names = frozenset(src.entries)
-    jobs, missing = [], []
-    for part in model_parts:
-        for fqn, param in part.named_parameters():
-            key = checkpoint_key(fqn, names) if checkpoint_key is not None else fqn
-            if key not in src.entries:
-                missing.append(fqn if key == fqn else f"{fqn} (as {key})")
-                continue
-            if src.entries[key].shape != tuple(param.shape):
-                raise CheckpointError(f"{uri}: {key!r} is {list(src.entries[key].shape)} there, {list(param.shape)} in the model")
-            local, boxes = tensor_boxes(param)
-            jobs += [(key, box, local_view(local.detach(), box)) for box in boxes]
-    if missing:
-        some = ", ".join(sorted(names)[:3])
-        raise CheckpointError(
-            f"{uri}: no tensor for {len(missing)} parameters ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
-            f"it holds {len(names)} tensors ({some}, ...): map the names with ModelSpec.checkpoint_key"
-        )
+    params = {fqn: param for part in model_parts for fqn, param in part.named_parameters()}
+    keys = src.match({fqn: tuple(p.shape) for fqn, p in params.items()}, checkpoint_key)
+    jobs = []
+    for fqn, param in params.items():
+        local, boxes = tensor_boxes(param)
+        jobs += [(keys[fqn], box, local_view(local.detach(), box)) for box in boxes]
 
     def fill(job) -> None:
         key, box, dest = job

@@ -245,3 +245,19 @@ def test_adamw_takes_its_settings_from_the_config():
     assert (group["betas"], group["eps"], group["weight_decay"], group["foreach"]) == ((0.8, 0.95), 1e-6, 0.1, False)
     with pytest.raises(ConfigError, match=r"training.betas \[0.9, 1.0\] must each be in \[0, 1\)"):
         load_config(data={"training": {"betas": [0.9, 1.0]}})
+
+
+def test_job_checks_init_from_before_any_worker_starts(tmp_path):
+    """`model.init_from` is matched against the model (names and shapes, from the file headers) when the job is prepared."""
+    from elastic.job import prepare
+    from elastic.model import model_spec
+    from strategies import initial_state
+
+    cfg = load_config(data={"run_root": str(tmp_path / "runs"), "model": {"init_from": str(tmp_path / "weights")}, "data": {"seq_len": 8}})
+    model, spec = build_model(cfg.model)
+    full = initial_state(model, model_spec(cfg.model), seed=1)
+    _write_safetensors(tmp_path / "weights", {k: v for k, v in full.items() if k != "output.weight"}, files=1)
+    with pytest.raises(ConfigError, match=r"model.init_from: .*no tensor for 1 parameters \(output.weight\)"):
+        prepare(cfg)
+    _write_safetensors(tmp_path / "weights", full, files=1)
+    prepare(cfg)
