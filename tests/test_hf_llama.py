@@ -1,6 +1,7 @@
 """The Hugging Face Llama example (`examples/hf_llama.py`) on real gloo ranks against plain `transformers`.
 
-- dp_shard=2, tp=2 with sequence parallel, and pp=2 train like a single-process
+- dp_shard=2, tp=2 with sequence parallel, pp=2, and pp=2 x tp=2 with sequence
+  parallel (a later stage receives a sequence shard) train like a single-process
   `LlamaForCausalLM`: per-step losses and gradient norms within 1e-5, weights
   loosely (tensors with near-zero gradients drift ~1e-4 relative under any
   change of reduction order, so weights are a weak check, losses the strict one);
@@ -37,6 +38,7 @@ LAYOUTS = {
     "tp2_sp": (Layout(tp=2), ParallelConfig(tp=2, sequence_parallel=True), 4),
     "pp2": (Layout(pp=2), ParallelConfig(pp=2, pp_schedule="1f1b"), 4),
 }
+PP_TP = (Layout(pp=2, tp=2), ParallelConfig(pp=2, tp=2, pp_schedule="1f1b"), 4)
 WEIGHT_TOL = 1e-3
 
 
@@ -130,14 +132,20 @@ def results(tmp_path_factory):
     qwen_full = initial_state(qwen_meta, qwen_spec, seed=0)
     qwen_ref = reference_train(build_qwen3()[0], {k: v.clone() for k, v in qwen_full.items()}, forward=_logits)
     ranks = run_distributed(_run, 2, str(root / "pretrained"), str(root / "ckpt"))
-    return {"ref": ref, "initial": full, "ranks": ranks, "root": root, "released": released, "qwen3": (qwen_ref, qwen_full)}
+    pp_tp = run_distributed(_run_pp_tp, 4)
+    return {"ref": ref, "initial": full, "ranks": ranks, "pp_tp": pp_tp, "root": root, "released": released, "qwen3": (qwen_ref, qwen_full)}
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "qwen3_tp2_sp"])
+def _run_pp_tp(rank: int, world: int) -> dict:
+    return train_layout(rank, *PP_TP[:2], _meta_model, SPEC, PP_TP[2])
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, "pp2_tp2_sp", "qwen3_tp2_sp"])
 def test_layout_matches_transformers(name, results):
     ref, initial = results["qwen3"] if name == "qwen3_tp2_sp" else (results["ref"], results["initial"])
-    layout = Layout(tp=2) if name == "qwen3_tp2_sp" else LAYOUTS[name][0]
-    got = merge_ranks([r[name] for r in results["ranks"]], layout)
+    layout = {"qwen3_tp2_sp": Layout(tp=2), "pp2_tp2_sp": PP_TP[0]}.get(name) or LAYOUTS[name][0]
+    ranks = [r[name] for r in results["ranks"]] if name != "pp2_tp2_sp" else results["pp_tp"]
+    got = merge_ranks(ranks, layout)
     for key in ("losses", "norms"):
         assert rel_err(got[key], ref[key]) < TOL, f"{name} {key}: {got[key].tolist()} vs {ref[key].tolist()}"
     assert set(got["params"]) == set(ref["params"])

@@ -261,3 +261,18 @@ def test_job_checks_init_from_before_any_worker_starts(tmp_path):
         prepare(cfg)
     _write_safetensors(tmp_path / "weights", full, files=1)
     prepare(cfg)
+
+
+def test_sequence_parallel_needs_a_divisible_sequence_for_any_model():
+    """Not only the built-in transformer's: a user model with a sequence-parallel plan is refused before its ranks hang."""
+    from elastic.config import ParallelConfig
+    from strategies import ModelSpec
+    from strategies.parallelize import model_problems
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))
+    spec = ModelSpec(blocks="1", first=("0",), tp_plan=lambda sequence_parallel: {"1.0": __import__("torch").distributed.tensor.parallel.ColwiseParallel()})
+    assert model_problems(model, spec, ParallelConfig(tp=2), seq_len=7) == [
+        "data.seq_len (7) must be divisible by parallel.tp (2) with sequence parallel"]
+    assert model_problems(model, spec, ParallelConfig(tp=2, sequence_parallel=False), seq_len=7) == []
+    assert model_problems(model, spec, ParallelConfig(tp=2), seq_len=8) == []
