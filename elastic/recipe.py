@@ -14,6 +14,7 @@ YAML is found everywhere.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 import os
@@ -29,11 +30,22 @@ from strategies import ModelSpec, ParallelModel, init_weights
 from strategies.parallelize import model_problems
 
 
-def working_dir_on_path(path: str | None = None) -> None:
-    """Put the job's working directory (default: the current one) first on the import path, as `python -m` does."""
-    path = os.path.abspath(path or os.getcwd())
-    if path not in sys.path:
-        sys.path.insert(0, path)
+@functools.cache
+def working_dir() -> str:
+    """The job's working directory: the driver's current directory when first asked (loading the config asks).
+
+    Remembered, because in a `ray job submit` driver `ray.init` unpacks the
+    job's working directory anew under the same path: the directory the
+    process stands in is then deleted (`os.getcwd()` fails) while the path
+    holds the same files again.
+    """
+    return os.path.abspath(os.getcwd())
+
+
+def working_dir_on_path() -> None:
+    """Put the job's working directory first on the import path, as `python -m` does."""
+    if working_dir() not in sys.path:
+        sys.path.insert(0, working_dir())
 
 
 def import_builder(path: str) -> Callable[..., tuple[nn.Module, ModelSpec]]:

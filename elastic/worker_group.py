@@ -9,7 +9,6 @@ on one node whenever a node's slots are a multiple of `tp`.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.agent import NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
+from elastic.recipe import working_dir
 
 
 @dataclass
@@ -87,7 +87,7 @@ class RayWorkerGroup:
                 num_cpus=slots * s.cpus_per_worker,
                 num_gpus=slots * s.gpus_per_worker,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(s.cpus_per_worker, s.gpus_per_worker, os.getcwd())
+            ).remote(s.cpus_per_worker, s.gpus_per_worker, working_dir())
         return self.agents[node_id]
 
     def _by_node(self) -> dict[str, list[Member]]:
