@@ -165,6 +165,8 @@ def _export(args) -> int:
     model = manifest["train_state"].get("model") or (config or {}).get("model")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     stored = {t["dtype"] for k, t in manifest["tensors"].items() if k.startswith("model.")}
+    if not stored:
+        raise UsageError(f"{uri} step {step}: no model weights in the checkpoint")
     extra = _model_files(model, dtype or getattr(torch, max(stored)))  # a config names one dtype: the weights' (they share one)
     index = storage.export_checkpoint(uri, step, args.out_dir, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1e9), extra_files=extra)
     files = sorted(set(index["weight_map"].values()))
