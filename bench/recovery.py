@@ -115,19 +115,16 @@ class DPStep:
 
         from elastic.data import GlobalSampler, SyntheticTokens
         from elastic.layout import Layout
-        from elastic.model import build_model, initial_state
-        from strategies import load_full_state, parallelize
+        from elastic.recipe import build_optimizer, build_parallel_model, initialize
 
         torch.set_num_threads(1)  # as elastic's workers (ELASTIC_TORCH_THREADS=1)
         self.cfg, self.rank = cfg, rank
         self.layout = Layout.for_world(world)
         self.mesh = self.layout.build_mesh("cpu")
-        self.pm = parallelize(build_model(cfg.model), self.mesh, cfg.parallel, micro_batch=cfg.training.micro_batch)
-        for part in self.pm.model_parts:
-            part.to_empty(device="cpu")
+        self.pm, whole = build_parallel_model(cfg, self.mesh, torch.device("cpu"))
         t = cfg.training
-        self.optimizer = torch.optim.AdamW(self.pm.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
-        load_full_state(self.pm, initial_state(build_model(cfg.model), t.seed))
+        self.optimizer = build_optimizer(self.pm.parameters(), t)
+        initialize(self.pm, whole, cfg)
         self.data = SyntheticTokens(cfg.data, cfg.model.vocab_size)
         self.sampler = GlobalSampler(len(self.data), cfg.data.seed, t.global_batch)
 

@@ -71,7 +71,8 @@ from bench.plain import layout_for, losses_from, run_plain, step_done_times, ste
 from elastic.config import JobConfig, load_config  # noqa: E402
 from elastic.controller import Controller  # noqa: E402
 from elastic.data import GlobalSampler, SyntheticTokens  # noqa: E402
-from elastic.model import build_model, initial_state, token_loss_sum  # noqa: E402
+from elastic.model import build_model, model_spec  # noqa: E402
+from strategies import initial_state, token_loss_sum  # noqa: E402
 from elastic.train import lr_at  # noqa: E402
 
 BASE_CONFIG = ROOT / "deploy" / "examples" / "demo.yaml"
@@ -149,7 +150,7 @@ def run_manager(cfg: JobConfig) -> tuple[list[list[dict]], dict]:
 def reference_losses(cfg: JobConfig) -> list[float]:
     torch.set_num_threads(torch_threads())
     model = build_model(cfg.model, device="cpu")
-    model.load_state_dict(initial_state(build_model(cfg.model), cfg.training.seed), strict=True)
+    model.load_state_dict(initial_state(build_model(cfg.model), model_spec(cfg.model), cfg.training.seed), strict=True)
     t = cfg.training
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
     data = SyntheticTokens(cfg.data, cfg.model.vocab_size)

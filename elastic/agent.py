@@ -90,11 +90,15 @@ def _describe_exit(code: int | None) -> str:
 
 @ray.remote(max_restarts=0, max_concurrency=8)
 class NodeAgent:
-    def __init__(self, cpus_per_rank: float, gpus_per_rank: float):
+    def __init__(self, cpus_per_rank: float, gpus_per_rank: float, working_dir: str = ""):
         batch_this_process()  # the agent's threads never preempt a rank's training thread (elastic.sched); children inherit it
         self._omp_threads = str(max(1, int(cpus_per_rank)))  # what Ray gives a worker with these CPUs
         self._gpus_per_rank = int(gpus_per_rank)
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        # The job's working directory: where the driver imports the model's builder from. Ranks start in this actor's
+        # directory (on a `ray job submit --working-dir` cluster, that node's copy of it), which `python -m` puts first
+        # on their import path; the driver's directory follows, where this node has it (an embedded cluster, a shared disk).
+        self._import_dirs = [str(ROOT)] + ([working_dir] if working_dir and os.path.isdir(working_dir) else [])
         self._children: list[_Child] = []
         self._lock = threading.Lock()  # guards _children and each child's rank, state and records
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
@@ -119,7 +123,7 @@ class NodeAgent:
 
     def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen, Connection]:
         env = dict(os.environ, OMP_NUM_THREADS=self._omp_threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self._import_dirs, env.get("PYTHONPATH")]))
         if self._gpus_per_rank:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         ours, theirs = Pipe()

@@ -59,22 +59,51 @@ def _no_control_characters(field: str, path: str) -> None:
         raise ValueError(f"{field} must not contain control characters, found {bad!r}")
 
 
-class ModelConfig(_Section):
-    """The built-in decoder-only transformer."""
+BUILTIN_BUILDER = "elastic.model:transformer"
+BUILTIN_SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "norm_eps")
+"""The fields that shape the built-in transformer: its builder's arguments."""
 
-    vocab_size: int = Field(64, ge=2, le=1 << 22, description="Number of token ids.")
-    dim: int = Field(64, ge=1, le=1 << 16, description="Hidden size.")
-    n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks.")
-    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads; dim must divide by it.")
-    ffn_dim: int = Field(128, ge=1, le=1 << 18, description="Hidden size of the MLP.")
-    max_seq_len: int = Field(32, ge=2, le=1 << 20, description="Longest sequence the position table holds.")
-    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the RMS norms.")
+
+class ModelConfig(_Section):
+    """The model: a builder named by import path and its arguments (default: the built-in transformer)."""
+
+    builder: str = Field(
+        BUILTIN_BUILDER,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="`package.module:function` that returns `(module, ModelSpec)`, the module built on the meta device; "
+        "imported on every rank with the job's working directory on the import path. Default: the built-in transformer, "
+        "shaped by the fields below.",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the builder (not for the built-in transformer, which takes the fields below).")
+    init_from: str = Field(
+        "",
+        description="Directory of `*.safetensors` weights (local or any fsspec URI; with or without `model.safetensors.index.json`) "
+        "that a job starts from when it resumes no checkpoint; each rank reads only its slices. Empty: the model's seeded initialiser.",
+    )
+    vocab_size: int = Field(64, ge=2, le=1 << 22, description="Number of token ids. Built-in transformer only.")
+    dim: int = Field(64, ge=1, le=1 << 16, description="Hidden size. Built-in transformer only.")
+    n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks. Built-in transformer only.")
+    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads; dim must divide by it. Built-in transformer only.")
+    ffn_dim: int = Field(128, ge=1, le=1 << 18, description="Hidden size of the MLP. Built-in transformer only.")
+    max_seq_len: int = Field(32, ge=2, le=1 << 20, description="Longest sequence it takes (data.seq_len at most). Built-in transformer only.")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the RMS norms. Built-in transformer only.")
 
     @model_validator(mode="after")
-    def _heads_divide_dim(self) -> "ModelConfig":
+    def _builder_and_shape(self) -> "ModelConfig":
+        if self.builder != BUILTIN_BUILDER:
+            shaped = [f for f in BUILTIN_SHAPE if getattr(self, f) != type(self).model_fields[f].default]
+            if shaped:
+                raise ValueError(f"model.{shaped[0]} shapes the built-in transformer only; give the arguments of {self.builder} in model.args")
+            return self
+        if self.args:
+            raise ValueError(f"model.args: the built-in transformer takes model.{', model.'.join(BUILTIN_SHAPE)} instead")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
         return self
+
+    def builder_args(self) -> dict[str, Any]:
+        """The keyword arguments the builder is called with."""
+        return {f: getattr(self, f) for f in BUILTIN_SHAPE} if self.builder == BUILTIN_BUILDER else dict(self.args)
 
 
 class DataConfig(_Section):
@@ -187,17 +216,35 @@ class ScalingConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    """The optimisation: fixed global batch, AdamW, warm-up then cosine decay."""
+    """The optimisation: fixed global batch, AdamW, linear warm-up then the chosen learning-rate schedule."""
 
     global_batch: int = Field(32, ge=1, le=1 << 20, description="Samples per optimizer step, whatever the world size.")
     micro_batch: int = Field(4, ge=1, description="Samples per forward/backward on one data-parallel rank.")
     steps: int = Field(200, ge=1, description="Optimizer steps to run.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine",
+        description="After the warm-up: cosine or linear decay to min_lr_ratio x lr at the last step, constant at lr, "
+        "or wsd (stable at lr, then linear decay to min_lr_ratio x lr over the last decay_fraction of the steps).",
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Where the decaying schedules end, as a fraction of lr.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the share of the steps, at the end, over which the rate decays.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW coefficients of the running averages of the gradient and its square.")
+    eps: float = Field(1e-8, gt=0, description="AdamW term added to the denominator.")
+    optimizer_impl: Literal["foreach", "fused", "for_loop"] = Field(
+        "foreach", description="AdamW implementation: foreach (batched), fused (one kernel) or for_loop; the same update up to rounding."
+    )
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = Field(0, ge=0, description="Seed of the model's initial weights.")
     eval_every: int = Field(0, ge=0, description="Evaluate the held-out split (data.eval_samples / data.eval_path) every this many steps and at the end; 0 disables.")
+
+    @model_validator(mode="after")
+    def _betas(self) -> "TrainingConfig":
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"training.betas {list(self.betas)} must each be in [0, 1)")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -285,8 +332,6 @@ class JobConfig(_Section):
                 f"parallel.dp_shard ({p.dp_shard}): pp x dp_replicate x dp_shard x tp = {p.pp * p.dp_replicate * p.dp_shard * p.tp} ranks, "
                 f"not scaling.num_workers ({self.scaling.num_workers}); set parallel.dp_shard to -1 to use every worker"
             )
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.training.global_batch % self.training.micro_batch:
             raise ValueError(
                 f"training.global_batch ({self.training.global_batch}) must be divisible by training.micro_batch ({self.training.micro_batch})"
@@ -297,20 +342,11 @@ class JobConfig(_Section):
             raise ValueError(
                 f"data.eval_samples ({self.data.eval_samples}) is fewer than one training.global_batch ({self.training.global_batch}): evaluation runs whole global batches"
             )
-        if self.parallel.tp > 1:
-            m = self.model
-            for field, value in (("model.n_heads", m.n_heads), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)):
-                if value % self.parallel.tp:
-                    raise ValueError(f"{field} ({value}) must be divisible by parallel.tp ({self.parallel.tp})")
-        if self.parallel.tp > 1 and self.parallel.sequence_parallel and self.data.seq_len % self.parallel.tp:
-            raise ValueError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({self.parallel.tp}) with sequence parallel")
         wpn = self.scaling.workers_per_node
         if self.parallel.tp > 1 and wpn and wpn % self.parallel.tp:
             raise ValueError(
                 f"scaling.workers_per_node ({wpn}) must be a multiple of parallel.tp ({self.parallel.tp}): a TP group stays on one node"
             )
-        if self.parallel.pp > self.model.n_layers:
-            raise ValueError(f"parallel.pp ({self.parallel.pp}) exceeds model.n_layers ({self.model.n_layers})")
         return self
 
     @property
@@ -414,7 +450,9 @@ def _set_dotted(data: dict, dotted: str, raw: str) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, data: dict | None = None) -> JobConfig:
     """Load a JobConfig from YAML (or a dict) with `key.sub=value` overrides.
 
-    Raises ConfigError with a one-line message naming the field on any problem.
+    Raises ConfigError with a one-line message naming the field on any
+    problem, including what keeps the model from running at the configured
+    layout (`elastic.recipe.check_model`).
     """
     raw: Any = copy.deepcopy(data or {})
     if path is not None:
@@ -434,6 +472,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         key, value = item.split("=", 1)
         _set_dotted(raw, key.strip(), value)
     try:
-        return JobConfig.model_validate(raw)
+        cfg = JobConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    from elastic.recipe import check_model  # builds the model on meta: torch and the builder's module
+
+    check_model(cfg)
+    return cfg

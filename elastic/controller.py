@@ -339,7 +339,8 @@ class Controller:
             "step": step,
             "data": {"position": self.sampler.cursor(step), "identity": self.data.identity},
             "model_seed": self.cfg.training.seed,
-            "scheduler": {"name": "warmup_cosine", "last_step": step, "lr": lr_at(step, self.cfg)},
+            "scheduler": {"name": self.cfg.training.schedule, "last_step": step, "lr": lr_at(step, self.cfg)},
+            "model": self.cfg.model.model_dump(mode="json"),  # how `elastic ckpt export` rebuilds the model's spec
             "generation": self.generation,
         }
 

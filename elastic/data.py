@@ -267,12 +267,16 @@ def open_builder(d: DataConfig):
     return dataset
 
 
-def open_datasets(cfg: JobConfig, info: DataInfo):
-    """A rank's (training dataset, eval dataset or None), each with `len` and `batch(indices) -> (inputs, labels)`."""
+def open_datasets(cfg: JobConfig, info: DataInfo, vocab_size: int | None = None):
+    """A rank's (training dataset, eval dataset or None), each with `len` and `batch(indices) -> (inputs, labels)`.
+
+    `vocab_size` is the model's (its spec's; default `model.vocab_size`): synthetic tokens are drawn below it.
+    """
     d = cfg.data
+    vocab_size = vocab_size or cfg.model.vocab_size
     if d.kind == "synthetic":
-        train = SyntheticTokens(d, cfg.model.vocab_size, 0, info.train_samples)
-        held = SyntheticTokens(d, cfg.model.vocab_size, info.eval_first, info.eval_samples)
+        train = SyntheticTokens(d, vocab_size, 0, info.train_samples)
+        held = SyntheticTokens(d, vocab_size, info.eval_first, info.eval_samples)
     elif d.kind == "builder":
         dataset = open_builder(d)
         train = MapDataset(dataset, d.seq_len, 0, info.train_samples)

@@ -18,6 +18,7 @@ from elastic.events import EventLog
 from elastic.metrics import RayMetrics
 from elastic.preflight import check_job
 from elastic.progress import ProgressPrinter
+from elastic.recipe import check_init_from, check_model
 from elastic.rendezvous import open_store
 from elastic.report import build_report, write_report
 from elastic.sched import batch_what_starts_here
@@ -42,8 +43,11 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
     releases the claim.
     """
     faults = check_job(cfg, inject).faults
+    check_model(cfg)
     cfg = cfg.model_copy(deep=True)
     cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
+    if cfg.model.init_from:
+        cfg.model.init_from = _absolute_local_uri(cfg.model.init_from)
     try:
         storage.check_writable(cfg.checkpoint.uri)
     except storage.CheckpointError as exc:  # its message names the URI and the reason
@@ -53,6 +57,12 @@ def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False
         claim = rundir.open_run(cfg, fresh=fresh)
     except OSError as exc:
         raise ConfigError(f"checkpoint.uri: cannot delete the checkpoints under {cfg.checkpoint.uri} (--fresh): {exc}") from None
+    try:
+        if cfg.model.init_from and not (cfg.checkpoint.resume and storage.list_checkpoints(cfg.checkpoint.uri)):
+            check_init_from(cfg)  # the job starts from these weights: find out now, not on every rank
+    except BaseException:
+        claim.release()
+        raise
     return cfg, faults, data, claim
 
 

@@ -9,6 +9,10 @@ make that possible:
 - attention infers the head count from the projection's output, so it runs
   unchanged on the local heads of a tensor-parallel shard.
 Rotary position encoding is computed in `forward`: no buffers to shard.
+
+`transformer(**shape)` is its builder (the default `model.builder`): the
+module on meta and its `ModelSpec`, which holds its tensor-parallel plan,
+its initialiser and the checks of its shape against a layout.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from elastic.config import ModelConfig
+from strategies import ModelSpec, ParallelOptions, SequenceGather
 
 
 def _rotary(x: torch.Tensor) -> torch.Tensor:
@@ -96,26 +103,81 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "meta") -> Transf
         return Transformer(cfg)
 
 
-def initial_state(full_model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Full initial weights from the seed, in name order, so every layout starts identical.
+def transformer_tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of `Transformer`.
 
-    `full_model` is the whole unsharded model (on meta is enough: only names and
-    shapes are read). Drawn on the CPU from one generator whatever the layout:
-    any rank can slice the piece it owns out of the same tensors.
+    Attention is split by heads (wq/wk/wv column-parallel, wo row-parallel) and
+    the MLP column-then-row, so each block needs one reduction in forward per
+    sub-layer. The embedding is split on the vocabulary (row-parallel) and the
+    output head on the vocabulary too (column-parallel), gathering the logits so
+    the loss is the ordinary one on every tp rank.
+
+    With `sequence_parallel`, activations between the sub-layers stay sharded
+    on the sequence dim (dim 1): the norms run on their sequence shard
+    (`SequenceParallel`), the sub-layer inputs are all-gathered on entry and the
+    row-parallel outputs reduce-scattered back to sequence shards, which saves
+    activation memory at the same communication volume.
     """
-    model = full_model
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, param in sorted(model.named_parameters()):
-        shape = tuple(param.shape)
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape)
-        else:
-            std = 0.02 if not name.endswith(("wo.weight", "w2.weight")) else 0.02 / (2 * max(1, len(getattr(model, "layers", [])))) ** 0.5
-            out[name] = torch.randn(shape, generator=gen) * std
-    return out
+    seq = Shard(1)
+    act = seq if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "output": ColwiseParallel(input_layouts=act, output_layouts=Replicate(), use_local_output=True),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+    if sequence_parallel:
+        plan.update(
+            {
+                "norm": SequenceParallel(use_local_output=False),
+                "layers.*.attention_norm": SequenceParallel(),
+                "layers.*.ffn_norm": SequenceParallel(),
+                "layers.*.attention": SequenceGather(),
+                "layers.*.feed_forward": SequenceGather(),
+            }
+        )
+    return plan
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over every position (callers divide by the global token count)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """The `ModelSpec` of the transformer of shape `cfg`."""
+
+    def init_weights(module: nn.Module, fqn: str, generator: torch.Generator) -> None:
+        """Norms at one; other weights normal(0, 0.02), the projections back into the residual scaled by 1/sqrt(2 layers)."""
+        if isinstance(module, nn.RMSNorm):
+            module.weight.fill_(1.0)
+            return
+        std = 0.02 / (2 * cfg.n_layers) ** 0.5 if fqn.endswith(("attention.wo", "feed_forward.w2")) else 0.02
+        for param in module.parameters(recurse=False):
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def check(parallel: ParallelOptions, seq_len: int) -> list[str]:
+        problems = [
+            f"{name} ({value}) must be divisible by parallel.tp ({parallel.tp})"
+            for name, value in (("model.n_heads", cfg.n_heads), ("model.ffn_dim", cfg.ffn_dim), ("model.vocab_size", cfg.vocab_size))
+            if value % parallel.tp
+        ]
+        if seq_len > cfg.max_seq_len:
+            problems.append(f"data.seq_len ({seq_len}) exceeds model.max_seq_len ({cfg.max_seq_len})")
+        return problems
+
+    return ModelSpec(
+        blocks="layers",
+        first=("tok_embeddings",),
+        last=("norm", "output"),
+        tp_plan=transformer_tp_plan,
+        init_weights=init_weights,
+        check=check,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def transformer(**shape) -> tuple[Transformer, ModelSpec]:
+    """The built-in builder: `shape` is the built-in fields of the `model` section (vocab_size, dim, ...)."""
+    cfg = ModelConfig(**shape)
+    return build_model(cfg), model_spec(cfg)

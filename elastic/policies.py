@@ -67,7 +67,7 @@ class ScalingPolicy:
     def __init__(self, cfg: JobConfig, choose=None):
         self.cfg = cfg
         if choose is None:
-            from strategies.planner import choose_layout as choose
+            from elastic.planning import choose_layout as choose
         self.choose = choose
 
     def decide(self, available: int, previous: Layout | None) -> ScalingDecision:

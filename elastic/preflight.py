@@ -38,7 +38,7 @@ def check_job(cfg: JobConfig, inject: list[str] | None = None) -> JobCheck:
     runs scaling.num_workers, when an explicit parallel.dp_shard is not the
     layout that would run, or when a fault spec is malformed or can never fire.
     """
-    from strategies.planner import choose_layout  # the planner imports the config: import it when used
+    from elastic.planning import choose_layout  # builds the model on meta: imported when used
 
     s = cfg.scaling
     try:

@@ -2,16 +2,16 @@
 
 It runs inside an initialised torch.distributed group and reports what it does
 through a `Progress` sink (its rank process pushes it to the controller; a
-plain torch.distributed program can print it). The learning rate is a pure
-function of the step and the data position a pure function of the step and
-the position the generation started at, so the state that must survive a
-restart is the tensors plus two integers.
+plain torch.distributed program can print it). The model, its initial
+weights and the optimizer come from `elastic.recipe`. The learning rate is a
+pure function of the step (`elastic.schedule`) and the data position a pure
+function of the step and the position the generation started at, so the
+state that must survive a restart is the tensors plus two integers.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import threading
@@ -26,8 +26,9 @@ from elastic.config import JobConfig
 from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_datasets
 from elastic.faults import Fault
 from elastic.layout import Layout
-from elastic.model import build_model, initial_state
-from strategies import clip_grad_norm, load_full_state, parallelize
+from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize
+from elastic.schedule import lr_at
+from strategies import clip_grad_norm
 
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "eval", "save", "done")
 STEP_REPORT_S = 0.25
@@ -36,16 +37,6 @@ deadlines and accounting, rare enough that polling takes little from training. E
 its own clock: ranks in lockstep that pushed in the same instant (shared wall-clock slots) woke
 their reporters together, and with four ranks to a core those bursts slowed the steps down more
 than spread-out pushes did (bench/README.md)."""
-
-
-def lr_at(step: int, cfg: JobConfig) -> float:
-    """Linear warm-up, then cosine decay to 10% of the peak at the last step."""
-    t = cfg.training
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Progress:
@@ -134,8 +125,9 @@ class Trainer:
         self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
         self.device = torch.device(spec.device)
+        _, model_spec = build_model(self.cfg.model)
         info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
-        self.data, self.eval_data = open_datasets(self.cfg, info)
+        self.data, self.eval_data = open_datasets(self.cfg, info, model_spec.vocab_size or self.cfg.model.vocab_size)
         self.sampler = GlobalSampler(
             info.train_samples, self.cfg.data.seed, self.cfg.training.global_batch, spec.resume_step or 0, spec.data_position
         )
@@ -145,15 +137,10 @@ class Trainer:
         cfg = self.cfg
         self.progress.enter("load")
         self.mesh = self.layout.build_mesh(self.device.type)
-        model = build_model(cfg.model)
-        self.pm = parallelize(model, self.mesh, cfg.parallel, micro_batch=cfg.training.micro_batch)
-        for part in self.pm.model_parts:
-            part.to_empty(device=self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.pm.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay, foreach=True
-        )
+        self.pm, whole = build_parallel_model(cfg, self.mesh, self.device)
+        self.optimizer = build_optimizer(self.pm.parameters(), cfg.training)
         if self.spec.resume_step is None:
-            load_full_state(self.pm, initial_state(build_model(cfg.model), cfg.training.seed))
+            initialize(self.pm, whole, cfg)
             self.start_step = 0
         else:
             storage.load_training_state(cfg.checkpoint.uri, self.spec.resume_step, self.pm.model_parts, self.optimizer)

@@ -25,6 +25,7 @@ from elastic.agent import COMMAND_TIMEOUT_S, NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
 from elastic.messages import RankStatus, StackDump
+from elastic.recipe import working_dir
 
 
 @dataclass
@@ -101,7 +102,7 @@ class RayWorkerGroup:
                 num_cpus=slots * s.cpus_per_worker,
                 num_gpus=slots * s.gpus_per_worker,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(s.cpus_per_worker, s.gpus_per_worker)
+            ).remote(s.cpus_per_worker, s.gpus_per_worker, working_dir())
         return self.agents[node_id]
 
     def _by_node(self) -> dict[str, list[Member]]:

@@ -13,6 +13,8 @@ global coordinates, and `manifest.json`, written last: the commit. See
     # = load_shards(uri, step, state_tensors(new_parts, new_optimizer))
     planner = ReadPlanner.open(uri, step)                  # decode the index once, plan many ranks
     load_into(uri, step, {key: (shape, local, boxes)}, planner=planner)  # any rank, no DTensor needed
+    load_pretrained(hf_dir, new_parts)                     # safetensors weights, each rank its slices
+    export_checkpoint(uri, step, out_dir)                  # model weights as safetensors shards + index
 
 No pickle is read or written anywhere: loading a checkpoint cannot execute code.
 """
@@ -31,6 +33,7 @@ from storage.catalog import (
 from storage.format import CheckpointError
 from storage.lease import Lease, LeaseHeld
 from storage.reader import ReadPlanner, load_into, load_shards, load_training_state
+from storage.safetensors import SafetensorsDir, export_checkpoint, load_pretrained
 from storage.state import LocalPart, snapshot, state_tensors
 from storage.writer import BackgroundWriter, commit, gather_and_commit, write_shards
 
@@ -41,14 +44,17 @@ __all__ = [
     "LeaseHeld",
     "LocalPart",
     "ReadPlanner",
+    "SafetensorsDir",
     "check_writable",
     "clean_incomplete",
     "commit",
     "corrupt_newest",
+    "export_checkpoint",
     "gather_and_commit",
     "latest_valid",
     "list_checkpoints",
     "load_into",
+    "load_pretrained",
     "load_shards",
     "load_training_state",
     "read_manifest",

@@ -273,6 +273,19 @@ class Store:
             return []
         return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
 
+    def list_files(self) -> list[str]:
+        """Names of the files (or objects) directly under the root."""
+        if self.local is not None:
+            if not self.local.is_dir():
+                return []
+            return sorted(p.name for p in self.local.iterdir() if p.is_file())
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
+
     # -- removing ------------------------------------------------------------
     def remove_tree(self, rel: str) -> None:
         """Delete a directory and everything in it; a link there is removed itself, what it points to stays."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -12,12 +13,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastic.config import ParallelConfig
-from elastic.model import token_loss_sum
 from strategies.ac import apply_ac
 from strategies.fsdp import apply_fsdp
 from strategies.pipeline import build_schedule, default_microbatches, split_model
-from strategies.spec import ModelSpec, builtin_spec
+from strategies.spec import ModelSpec, ParallelOptions
+from strategies.stage import blocks_as_dict, install_stage_forward
 from strategies.tp import apply_tp, unmatched_plan_keys
 
 
@@ -34,8 +34,8 @@ class ParallelModel:
     model_parts: list[nn.Module]
     mesh: DeviceMesh
     micro_batch: int
+    spec: ModelSpec
     extra: dict = field(default_factory=dict)
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum
     schedule: Any = None
     stages: list = field(default_factory=list)
     stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -43,6 +43,22 @@ class ParallelModel:
     n_microbatches: int = 0
     seq_divisor: int = 1  # sequence parallelism shards the sequence dim over tp: seq_len must divide
     _loss_scale: float = 1.0
+
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return self.spec.loss_fn
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Give the local parts real (uninitialised) storage on `device`, then re-create their buffers (`ModelSpec.init_buffers`).
+
+        Parameters are filled afterwards: `strategies.init_weights`, a pretrained
+        checkpoint or a training checkpoint.
+        """
+        for part in self.model_parts:
+            part.to_empty(device=device)
+            if self.spec.init_buffers is not None:
+                with torch.no_grad():
+                    self.spec.init_buffers(part)
 
     @property
     def has_first_stage(self) -> bool:
@@ -151,36 +167,81 @@ def _device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def model_problems(model: nn.Module, spec: ModelSpec, parallel: ParallelOptions, seq_len: int | None = None) -> list[str]:
+    """Why `model` (on meta) cannot run at this layout (and sequence length, if given): one line each, none if it can.
+
+    The generic reasons first (the blocks, the pipeline stages, the TP plan,
+    shared parameters, buffers nothing re-creates), then the model's own
+    (`ModelSpec.check`), then the sequence length under sequence parallelism.
+    """
+    try:
+        blocks = model.get_submodule(spec.blocks)
+    except AttributeError:
+        return [f"ModelSpec.blocks {spec.blocks!r} is not a submodule of {type(model).__name__}"]
+    if not isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        return [f"ModelSpec.blocks {spec.blocks!r} is a {type(blocks).__name__}, not an nn.ModuleDict or nn.ModuleList"]
+    problems = []
+    chunks = parallel.pp_virtual_stages if parallel.pp > 1 and parallel.pp_schedule == "interleaved_1f1b" else 1
+    if parallel.pp * chunks > len(blocks):
+        stages = f"parallel.pp ({parallel.pp})" + (f" x pp_virtual_stages ({chunks})" if chunks > 1 else "")
+        problems.append(f"{stages} pipeline stages exceed the model's {len(blocks)} blocks")
+    if parallel.pp > 1 and isinstance(blocks, nn.ModuleList) and not spec.run_parts:
+        problems.append(f"{spec.blocks} must be an nn.ModuleDict for pipeline stages the model's own forward runs; or set ModelSpec.run_parts=True")
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    if tied := [n for n in names.values() if len(n) > 1]:
+        problems.append(
+            f"parameters shared between modules ({' = '.join(tied[0])}) are not supported: untie them "
+            "(Hugging Face models: tie_word_embeddings=False)"
+        )
+    if spec.init_buffers is None and (buffers := [n for n, _ in model.named_buffers()]):
+        problems.append(
+            f"the model has buffers ({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}) that materialising "
+            "leaves uninitialised and checkpoints do not hold: give ModelSpec.init_buffers"
+        )
+    if parallel.tp > 1:
+        plan = spec.plan(sequence_parallel=parallel.sequence_parallel)
+        if not plan:
+            problems.append(f"parallel.tp ({parallel.tp}) > 1 needs a tensor-parallel plan (ModelSpec.tp_plan) for this model")
+        elif missing := unmatched_plan_keys(model, plan):
+            problems.append(f"tensor-parallel plan keys match no module of the model: {missing}")
+    if seq_len is not None:
+        problems += spec.problems(parallel, seq_len)
+        if parallel.tp > 1 and parallel.sequence_parallel and seq_len % parallel.tp:
+            problems.append(f"data.seq_len ({seq_len}) must be divisible by parallel.tp ({parallel.tp}) with sequence parallel")
+    return problems
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
-    parallel: ParallelConfig,
+    parallel: ParallelOptions,
     *,
     micro_batch: int,
-    spec: ModelSpec | None = None,
+    spec: ModelSpec,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> ParallelModel:
     """Apply the strategies to `model` (on meta) in the order the package docstring gives.
 
-    `mesh` is the layout's 4-D mesh `("pp", "dp_replicate", "dp_shard", "tp")`.
-    `spec` describes a user model (default: the built-in transformer).
-    `mp_policy` defaults to bf16 parameters with fp32 gradient reduction on
-    CUDA and plain fp32 elsewhere.
+    `mesh` is the layout's 4-D mesh `("pp", "dp_replicate", "dp_shard", "tp")`;
+    `spec` describes the model (`strategies.spec`). `mp_policy` defaults to
+    bf16 parameters with fp32 gradient reduction on CUDA and plain fp32
+    elsewhere. Call `materialize` on the result, then fill the parameters.
     """
-    user_spec = spec is not None
-    spec = spec or builtin_spec()
+    tp, pp = mesh["tp"].size(), mesh["pp"].size()
+    options = {name: getattr(parallel, name) for name in ParallelOptions.__annotations__}
+    if problems := model_problems(model, spec, SimpleNamespace(**{**options, "tp": tp, "pp": pp})):
+        raise ValueError(problems[0])
+    if spec.run_parts:
+        blocks_as_dict(model, spec)
     if mp_policy is None:
         mp_policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if mesh.device_type == "cuda"
             else MixedPrecisionPolicy()
         )
-    tp, pp = mesh["tp"].size(), mesh["pp"].size()
     plan = spec.plan(sequence_parallel=parallel.sequence_parallel) if tp > 1 else None
-    if tp > 1 and not plan:
-        raise ValueError("parallel.tp > 1 needs a tensor-parallel plan (ModelSpec.tp_plan) for this model")
-    if plan and user_spec and (missing := unmatched_plan_keys(model, plan)):
-        raise ValueError(f"tensor-parallel plan keys match no module of the model: {missing}")
 
     # 1. pipeline split
     if pp > 1:
@@ -198,9 +259,11 @@ def parallelize(
             apply_ac(part, blocks=spec.blocks)
         apply_fsdp(part, dp_mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp_policy, blocks=spec.blocks)
 
-    pm = ParallelModel(model_parts=parts, mesh=mesh, micro_batch=micro_batch, loss_fn=spec.loss_fn, stage_ids=ids, n_stages=n_stages)
-    if plan and parallel.sequence_parallel and not user_spec:
-        pm.seq_divisor = tp
+    seq_shards = tp if plan and parallel.sequence_parallel else 1
+    if spec.run_parts:
+        for part in parts:
+            install_stage_forward(part, spec, seq_shards)
+    pm = ParallelModel(model_parts=parts, mesh=mesh, micro_batch=micro_batch, spec=spec, stage_ids=ids, n_stages=n_stages, seq_divisor=seq_shards)
     if pp > 1:
         pm.n_microbatches = parallel.pp_microbatches or default_microbatches(pp, parallel.pp_schedule)
         pm.stages, pm.schedule = build_schedule(
@@ -216,17 +279,21 @@ def parallelize(
     return pm
 
 
+def fill_from_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's piece of `full` (the whole, unsharded tensor) into `param`: local slicing, no communication."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            src = full.to(device=param.device, dtype=param.dtype)
+            local = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+
+
 def load_full_state(pm: ParallelModel, full: dict[str, torch.Tensor]) -> None:
     """Fill every local parameter from full (unsharded) tensors: each rank slices what it owns, no communication."""
-    with torch.no_grad():
-        for name, param in pm.named_parameters():
-            src = full[name]
-            if isinstance(param, DTensor):
-                src = src.to(device=param.device, dtype=param.dtype)
-                local = distribute_tensor(src, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                param.to_local().copy_(local)
-            else:
-                param.copy_(src)
+    for name, param in pm.named_parameters():
+        fill_from_full(param, full[name])
 
 
 def _replication(param: torch.Tensor, group_size: int) -> int:

@@ -68,7 +68,10 @@ def balance_stages(block_costs: Sequence[float], n_stages: int, *, first_cost: f
 def _blocks(model: nn.Module, spec: ModelSpec) -> nn.ModuleDict:
     container = model.get_submodule(spec.blocks)
     if not isinstance(container, nn.ModuleDict):
-        raise TypeError(f"{spec.blocks} must be an nn.ModuleDict (an nn.ModuleList renumbers its blocks when one is removed)")
+        raise TypeError(
+            f"{spec.blocks} must be an nn.ModuleDict when the model's own forward runs a pipeline stage (an nn.ModuleList "
+            "renumbers its blocks when one is removed); or set ModelSpec.run_parts=True and the library runs the stages"
+        )
     return container
 
 

@@ -1,7 +1,9 @@
 """The layout planner: memory, communication and pipeline bubble of every layout.
 
 Pure Python arithmetic (no torch), used by `elastic plan` and by the controller
-on every resize (`choose_layout`). All sizes are bytes, all times seconds,
+on every resize (`choose_layout`, through `elastic.planning`, which turns a job
+config into its inputs). What a model itself allows (heads that tp must
+divide, ...) comes in as a `ModelCheck`: the model's `ModelSpec`, not a copy here. All sizes are bytes, all times seconds,
 GB means 1e9 bytes. The estimates are first-order models meant to rank layouts
 and to say which ones fit, not to predict a step time to the percent.
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
-from elastic.config import JobConfig, ModelConfig
-from elastic.layout import Layout, LayoutError
+from strategies.layout import Layout, LayoutError
+
+ModelCheck = Callable[[Layout], "str | None"]
+"""Why the model cannot run at a layout (one line), or None: the model's own constraints (`ModelSpec.check`)."""
 
 BYTES_PER_PARAM = 16
 """Model state per parameter: bf16 weight (2) + bf16 gradient (2) + fp32 master, m and v (12)."""
@@ -64,12 +68,12 @@ class Hardware:
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """What the planner needs to know about a decoder-only transformer.
+    """What the planner needs to know about a model: blocks, widths, parameter counts.
 
-    `layer_params` is one block; `embed_params` sits on the first pipeline
-    stage and `head_params` (final norm and output projection) on the last.
-    `n_heads`/`vocab_size` are None when unknown (a bare parameter count):
-    they then constrain nothing. `seq_len` and `micro_batch` size activations.
+    `layer_params` is one block (the mean); `embed_params` sits on the first
+    pipeline stage and `head_params` (final norm and output projection) on
+    the last. `vocab_size` (None when unknown) sizes the logits; `seq_len`
+    and `micro_batch` size activations.
     """
 
     n_layers: int
@@ -78,7 +82,6 @@ class ModelProfile:
     layer_params: float
     embed_params: float = 0.0
     head_params: float = 0.0
-    n_heads: int | None = None
     vocab_size: int | None = None
     seq_len: int = 2048
     micro_batch: int = 1
@@ -94,19 +97,30 @@ class ModelProfile:
         return self.n_layers * self.layer_params + self.embed_params + self.head_params
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, *, seq_len: int, micro_batch: int) -> "ModelProfile":
-        """Exact parameter counts of `elastic.model.Transformer` (bias-free linears, RMSNorm weights).
+    def from_model(cls, model, spec, *, seq_len: int, micro_batch: int) -> "ModelProfile":
+        """Exact parameter counts of a model (on meta is enough) from its `ModelSpec`'s parts.
 
-        A block holds wq, wk, wv, wo (4 dim^2), w1, w3 (dim x ffn) and w2
-        (ffn x dim) and two norm weights; the embedding and the untied output
-        head are vocab x dim each, plus the final norm.
+        The blocks are `spec.blocks`, the embedding side `spec.first`, the head
+        side `spec.last`. The widths that size activations are read from the
+        first block: `dim` is the input width of its first linear layer, `ffn_dim`
+        the widest output of its linear layers (the MLP's hidden size).
         """
-        d, f, v = cfg.dim, cfg.ffn_dim, cfg.vocab_size
+        def count(module) -> float:
+            return float(sum(p.numel() for p in module.parameters())) if module is not None else 0.0
+
+        def part(fqn: str):
+            parent, _, leaf = fqn.rpartition(".")
+            return getattr(model.get_submodule(parent) if parent else model, leaf, None)
+
+        blocks = list(model.get_submodule(spec.blocks).children())
+        linears = [m for m in blocks[0].modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+        if not linears:
+            raise ValueError(f"the first block of {spec.blocks} has no linear layer to read the model's width from")
         return cls(
-            n_layers=cfg.n_layers, dim=d, ffn_dim=f,
-            layer_params=4 * d * d + 3 * d * f + 2 * d,
-            embed_params=v * d, head_params=v * d + d,
-            n_heads=cfg.n_heads, vocab_size=v, seq_len=seq_len, micro_batch=micro_batch,
+            n_layers=len(blocks), dim=linears[0].in_features, ffn_dim=max(m.out_features for m in linears),
+            layer_params=sum(count(b) for b in blocks) / len(blocks),
+            embed_params=sum(count(part(f)) for f in spec.first), head_params=sum(count(part(f)) for f in spec.last),
+            vocab_size=spec.vocab_size, seq_len=seq_len, micro_batch=micro_batch,
         )
 
     @classmethod
@@ -118,8 +132,8 @@ class ModelProfile:
         4096 = 128 x 32). Solving 12 * L * (128 L)^2 = params gives L. All
         parameters are counted in the blocks, so the state memory is exact
         and only the activation/traffic figures depend on the guessed shape.
-        ffn is rounded up to a multiple of 256 as LLaMA does, so it never
-        blocks a tensor-parallel degree; heads and vocabulary stay unknown.
+        ffn is rounded up to a multiple of 256 as LLaMA does; the vocabulary
+        stays unknown, and nothing constrains the tensor-parallel degree.
         """
         if params <= 0:
             raise ValueError(f"parameter count must be > 0, got {params:g}")
@@ -127,11 +141,6 @@ class ModelProfile:
         dim = HEAD_DIM * layers
         return cls(n_layers=layers, dim=dim, ffn_dim=-(-8 * dim // (3 * 256)) * 256, layer_params=params / layers,
                    seq_len=seq_len, micro_batch=micro_batch)
-
-    def tp_sizes(self) -> dict[str, int]:
-        """The sizes a tensor-parallel degree must divide: heads (attention), ffn (MLP), vocabulary (embedding/head)."""
-        known = {"n_heads": self.n_heads, "ffn_dim": self.ffn_dim, "vocab_size": self.vocab_size}
-        return {k: v for k, v in known.items() if v}
 
     def stage_params(self, pp: int) -> float:
         """Parameters on the heaviest pipeline stage.
@@ -159,12 +168,6 @@ class StepOptions:
     virtual_stages: int = 2
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
-
-    @classmethod
-    def from_config(cls, cfg: JobConfig) -> "StepOptions":
-        p = cfg.parallel
-        return cls(global_batch=cfg.training.global_batch, schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages,
-                   activation_checkpointing=p.activation_checkpointing, reshard_after_forward=p.reshard_after_forward)
 
 
 # --------------------------------------------------------------------------- memory
@@ -461,19 +464,21 @@ def divisors(n: int) -> list[int]:
     return low + [n // d for d in reversed(low) if d * d != n]
 
 
-def layout_problem(layout: Layout, model: ModelProfile, gpus_per_node: int, global_batch: int, options: StepOptions) -> str | None:
+def layout_problem(
+    layout: Layout, model: ModelProfile, gpus_per_node: int, global_batch: int, options: StepOptions, check: ModelCheck | None = None
+) -> str | None:
     """Why a layout cannot run this model and batch, or None when it can.
 
-    tp must stay inside a node and split heads, ffn and vocabulary evenly;
-    each pipeline stage (each chunk, when interleaved) needs at least one
-    block; the data-parallel degree must split the fixed global batch (how
-    many micro-batches that makes per rank is free: accumulation adapts).
+    tp must stay inside a node; the model must allow the layout (`check`:
+    heads that tp divides, ...); each pipeline stage (each chunk, when
+    interleaved) needs at least one block; the data-parallel degree must split
+    the fixed global batch (how many micro-batches that makes per rank is
+    free: accumulation adapts).
     """
     if gpus_per_node % layout.tp:
         return f"tp={layout.tp} does not divide the {gpus_per_node} GPUs of a node"
-    for name, size in model.tp_sizes().items():
-        if size % layout.tp:
-            return f"tp={layout.tp} does not divide {name} ({size})"
+    if check is not None and (problem := check(layout)):
+        return f"{layout}: {problem}"
     chunks = options.virtual_stages if options.schedule == "interleaved_1f1b" and layout.pp > 1 else 1
     if layout.pp * chunks > model.n_layers:
         return f"pp={layout.pp}" + (f" x {chunks} chunks" if chunks > 1 else "") + f" exceeds the {model.n_layers} layers"
@@ -496,24 +501,18 @@ def rank_key(entry: PlanEntry) -> tuple:
     return (not entry.fits, round(entry.step_s, 9), entry.layout.tp, entry.layout.pp, entry.layout.dp_replicate)
 
 
-def plan(model: ModelProfile, hardware: Hardware, options: StepOptions = StepOptions()) -> list[PlanEntry]:
-    """Every valid layout for `hardware.gpus` GPUs, evaluated and ranked (see `rank_key`)."""
+def plan(model: ModelProfile, hardware: Hardware, options: StepOptions = StepOptions(), check: ModelCheck | None = None) -> list[PlanEntry]:
+    """Every valid layout for `hardware.gpus` GPUs (that the model allows, given its `check`), evaluated and ranked (see `rank_key`)."""
     global_batch = options.global_batch or hardware.gpus * model.micro_batch
     entries = [
         evaluate(layout, model, hardware, options)
         for layout in candidate_layouts(hardware.gpus)
-        if layout_problem(layout, model, hardware.gpus_per_node, global_batch, options) is None
+        if layout_problem(layout, model, hardware.gpus_per_node, global_batch, options, check) is None
     ]
     return sorted(entries, key=rank_key)
 
 
 # --------------------------------------------------------------------------- resize
-def configured_layout(cfg: JobConfig) -> Layout:
-    """The configured degrees without dp_shard (that one is re-derived from the world on each resize)."""
-    p = cfg.parallel
-    return Layout(pp=p.pp, dp_replicate=p.dp_replicate, tp=p.tp)
-
-
 def _kept_candidates(world: int, bases: list[Layout]) -> list[tuple[Layout, str]]:
     """Layouts of `world` ranks keeping a base's tp and pp: its dp_replicate first, then folded into dp_shard."""
     out: dict[Layout, str] = {}
@@ -528,12 +527,14 @@ def _kept_candidates(world: int, bases: list[Layout]) -> list[tuple[Layout, str]
     return list(out.items())
 
 
-def _problem(layout: Layout, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions) -> str | None:
+def _problem(
+    layout: Layout, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions, check: ModelCheck | None
+) -> str | None:
     """Why `layout` cannot run the job (shape, batch, or memory when the hardware is known), or None.
 
     `node` None means a single node holds every worker, so any tp is node-local.
     """
-    problem = layout_problem(layout, model, node or layout.world_size, options.global_batch, options)
+    problem = layout_problem(layout, model, node or layout.world_size, options.global_batch, options, check)
     if problem or hardware is None:
         return problem
     entry = evaluate(layout, model, hardware, options)
@@ -542,28 +543,41 @@ def _problem(layout: Layout, model: ModelProfile, hardware: Hardware | None, nod
     return None
 
 
-def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, hardware: Hardware | None = None) -> tuple[Layout, str]:
+def choose_layout(
+    world: int,
+    model: ModelProfile,
+    options: StepOptions,
+    *,
+    configured: Layout,
+    min_workers: int,
+    workers_per_node: int | None = None,
+    previous: Layout | None = None,
+    hardware: Hardware | None = None,
+    check: ModelCheck | None = None,
+) -> tuple[Layout, str]:
     """The layout for `world` available workers, and a one-line reason for the event log.
 
-    Preference, from the largest world <= `world` down to `scaling.min_workers`:
-    keep tp (its group lives on one node) and pp (chosen for memory) of the
-    configured layout, else of the previous one, and change only the
+    `configured` holds the job's tp, pp and dp_replicate (its dp_shard is
+    re-derived from the world). Preference, from the largest world <= `world`
+    down to `min_workers`: keep tp (its group lives on one node) and pp
+    (chosen for memory) of the configured layout, else of the previous one,
+    and change only the
     data-parallel degrees: keep dp_replicate when it divides, else fold it
     into dp_shard. The data-parallel degree must divide the global batch,
     which never changes (gradient accumulation absorbs the difference). Only
     when no world keeps tp and pp does any other valid layout qualify (ranked
     by the planner when the hardware is known). Without hardware (CPU runs)
-    memory never rules a layout out. Raises LayoutError naming why when
-    nothing qualifies. When the layout leaves workers idle, the reason says
-    how many and why all `world` of them could not be used.
+    memory never rules a layout out; `workers_per_node` (None: one node
+    holds them all) keeps tp inside a node, and `check` is what the model
+    allows. Raises LayoutError naming why when nothing qualifies. When the
+    layout leaves workers idle, the reason says how many and why all `world`
+    of them could not be used.
     """
     if world < 1:
         raise LayoutError(f"no workers available (world {world})")
-    model = ModelProfile.from_config(cfg.model, seq_len=cfg.data.seq_len, micro_batch=cfg.training.micro_batch)
-    options = StepOptions.from_config(cfg)
-    node = hardware.gpus_per_node if hardware else (cfg.scaling.workers_per_node or None)
-    bases = list(dict.fromkeys([configured_layout(cfg)] + ([previous] if previous else [])))
-    floor = min(cfg.scaling.min_workers, world)
+    node = hardware.gpus_per_node if hardware else workers_per_node
+    bases = list(dict.fromkeys([configured] + ([previous] if previous else [])))
+    floor = min(min_workers, world)
     problems: list[str] = []
     multiples = " or ".join(str(b.tp * b.pp) for b in bases)
     whole = None  # why not all `world` workers: said when some are left idle
@@ -572,7 +586,7 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
         if not candidates and whole is None:
             whole = f"{world} is no multiple of tp*pp ({multiples})"
         for layout, how in candidates:
-            problem = _problem(layout, model, hardware, node, options)
+            problem = _problem(layout, model, hardware, node, options, check)
             if problem is None:
                 return layout, _reason(world, layout, how, options.global_batch, model.micro_batch, previous, whole)
             problems.append(f"{problem} at {w} workers")
@@ -580,27 +594,28 @@ def choose_layout(world: int, cfg: JobConfig, previous: Layout | None = None, ha
     more = f" (and {len(problems) - 1} smaller candidates failed)" if len(problems) > 1 else ""
     kept = (problems[0] + more) if problems else f"no worker count in {floor}..{world} is a multiple of tp*pp ({multiples})"
     for w in range(min(world, _world_bound(model, node, options)), floor - 1, -1):
-        found = _best_other(w, model, hardware, node, options)
+        found = _best_other(w, model, hardware, node, options, check)
         if found is not None:
             idle = f"no valid layout of {world} workers" if found.world_size < world else None
             return found, _reason(world, found, "replanned", options.global_batch, model.micro_batch, previous, idle) + f"; tp/pp not kept: {kept}"
     raise LayoutError(
-        f"no layout for {floor}..{world} workers (min_workers {cfg.scaling.min_workers}): tp/pp not kept: {kept}; "
+        f"no layout for {floor}..{world} workers (min_workers {min_workers}): tp/pp not kept: {kept}; "
         "no other layout is valid" + (" within the GPU memory" if hardware else "")
     )
 
 
-def _world_bound(model: ModelProfile, node: int | None, options: StepOptions) -> int:
-    """No valid layout has more ranks than this: dp divides the global batch, tp divides the model's sizes
-    (and the node), pp x chunks <= layers. It spares a large world the search of every smaller one."""
+def _world_bound(model: ModelProfile, node: int | None, options: StepOptions) -> float:
+    """No valid layout has more ranks than this: dp divides the global batch, tp stays inside a node, pp x chunks <= layers.
+    It spares a large world the search of every smaller one (unbounded when the node size is unknown)."""
     chunks = options.virtual_stages if options.schedule == "interleaved_1f1b" else 1
-    tp = math.gcd(*model.tp_sizes().values(), node or 0)
-    return options.global_batch * max(1, model.n_layers // chunks) * tp if tp else math.inf
+    return options.global_batch * max(1, model.n_layers // chunks) * node if node else math.inf
 
 
-def _best_other(world: int, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions) -> Layout | None:
+def _best_other(
+    world: int, model: ModelProfile, hardware: Hardware | None, node: int | None, options: StepOptions, check: ModelCheck | None
+) -> Layout | None:
     """Any valid layout of exactly `world` ranks: the planner's best that fits, or the least model parallelism without hardware."""
-    valid = [l for l in candidate_layouts(world) if _problem(l, model, hardware, node, options) is None]
+    valid = [l for l in candidate_layouts(world) if _problem(l, model, hardware, node, options, check) is None]
     if not valid:
         return None
     if hardware is None:

@@ -10,59 +10,41 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
-def transformer_tp_plan(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan for the built-in transformer (`elastic.model.Transformer`).
+class SequenceGather(ParallelStyle):
+    """All-gather a sub-layer's sequence-sharded input before it runs (sequence parallelism); backward reduce-scatters.
 
-    Attention is split by heads (wq/wk/wv column-parallel, wo row-parallel) and
-    the MLP column-then-row, so each block needs one reduction in forward per
-    sub-layer. The embedding is split on the vocabulary (row-parallel) and the
-    output head on the vocabulary too (column-parallel), gathering the logits so
-    the loss is the ordinary one on every tp rank.
-
-    With `sequence_parallel`, activations between the sub-layers stay sharded
-    on the sequence dim (dim 1): the norms run on their sequence shard
-    (`SequenceParallel`), the sub-layer inputs are all-gathered on entry and the
-    row-parallel outputs reduce-scattered back to sequence shards, which saves
-    activation memory at the same communication volume.
+    The input is the first positional argument or, when the caller passes it
+    by keyword (Hugging Face calls `self_attn(hidden_states=...)`), the keyword
+    argument `name`. It may be a plain tensor (the local sequence shard along
+    dim 1) or a DTensor; the sub-layer receives the full sequence as a plain tensor.
     """
-    seq = Shard(1)
-    act = seq if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Replicate(), use_local_output=True),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=act),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=act),
-    }
-    if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
-        plan.update(
-            {
-                "norm": SequenceParallel(use_local_output=False),
-                "layers.*.attention_norm": SequenceParallel(),
-                "layers.*.ffn_norm": SequenceParallel(),
-                "layers.*.attention": gather,
-                "layers.*.feed_forward": gather,
-            }
-        )
-    return plan
+
+    def __init__(self, name: str = "hidden_states"):
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return x.redistribute(device_mesh, (Replicate(),)).to_local()
+
+        def hook(_module, args, kwargs):
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if self.name not in kwargs:
+                raise TypeError(f"{type(module).__name__} was called without its input (positional, or keyword {self.name!r})")
+            return args, {**kwargs, self.name: gather(kwargs[self.name])}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def _matches(plan_key: str, fqn: str) -> bool:
@@ -70,23 +52,15 @@ def _matches(plan_key: str, fqn: str) -> bool:
     return len(want) == len(have) and all(fnmatch.fnmatchcase(h, w) for w, h in zip(want, have))
 
 
-def apply_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    *,
-    sequence_parallel: bool = True,
-    plan: dict[str, ParallelStyle] | None = None,
-) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: dict[str, ParallelStyle]) -> nn.Module:
     """Shard `model` (on meta or real) over the 1-D `tp_mesh` with `plan`.
 
-    `plan` defaults to the built-in transformer's. Patterns that match no module
+    Patterns that match no module
     are skipped (a pipeline stage lacks the embedding, the head or some blocks);
     a pattern that matches nothing on a model that has everything is the
     caller's typo, which `parallelize` checks for user plans on the full model.
     Parameters are sliced locally (`src_data_rank=None`): no communication.
     """
-    if plan is None:
-        plan = transformer_tp_plan(sequence_parallel=sequence_parallel)
     modules = dict(model.named_modules())
     for key, style in plan.items():
         for fqn in [name for name in modules if name and _matches(key, name)]:

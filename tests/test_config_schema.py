@@ -47,7 +47,7 @@ def test_validate_prints_ok(capsys) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--set", "parallel.tp=3"], "model.n_heads (4) must be divisible by parallel.tp (3)"),
+    (["--set", "parallel.tp=3", "--set", "scaling.workers_per_node=6"], "model.n_heads (4) must be divisible by parallel.tp (3)"),
     (["--set", "scaling.num_wrokers=2"], "scaling.num_wrokers: unknown field; did you mean scaling.num_workers?"),
     (["--set", "training.steps"], "expected key=value"),
 ])

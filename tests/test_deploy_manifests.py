@@ -21,7 +21,8 @@ import yaml
 
 from elastic.cli import main as cli_main
 from elastic.config import JobConfig, load_config
-from strategies.planner import Hardware, choose_layout
+from elastic.planning import choose_layout
+from strategies.planner import Hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -62,12 +62,12 @@ def _train(pm, optimizer, batches, scale):
 
 
 def _gpu_model(cfg, layout, mp_policy=None):
-    from elastic.model import build_model
+    from elastic.model import build_model, model_spec
     from strategies import parallelize
 
-    pm = parallelize(build_model(cfg.model), layout.build_mesh("cuda"), cfg.parallel, micro_batch=cfg.training.micro_batch, mp_policy=mp_policy)
-    for part in pm.model_parts:
-        part.to_empty(device="cuda")
+    pm = parallelize(build_model(cfg.model), layout.build_mesh("cuda"), cfg.parallel, micro_batch=cfg.training.micro_batch,
+                     spec=model_spec(cfg.model), mp_policy=mp_policy)
+    pm.materialize("cuda")
     return pm, torch.optim.AdamW(pm.parameters(), lr=cfg.training.lr, foreach=True)
 
 
@@ -78,12 +78,12 @@ def test_fsdp_trains_on_the_gpu_and_its_checkpoint_loads_bit_exact_on_gpu_and_cp
     from ckpt_utils import full_tensors
     from elastic.config import load_config
     from elastic.layout import Layout
-    from elastic.model import build_model, initial_state, token_loss_sum
-    from strategies import load_full_state
+    from elastic.model import build_model, model_spec
+    from strategies import initial_state, load_full_state, token_loss_sum
 
     cfg = load_config("deploy/examples/demo.yaml", ["parallel.dp_shard=1", "scaling.num_workers=1", "scaling.min_workers=1"])
     layout = Layout()
-    full = initial_state(build_model(cfg.model), cfg.training.seed)
+    full = initial_state(build_model(cfg.model), model_spec(cfg.model), cfg.training.seed)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (STEPS, 8, cfg.data.seq_len + 1), generator=gen)
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]

@@ -10,12 +10,12 @@ import pytest
 from elastic.cli import main
 from elastic.config import load_config
 from elastic.layout import Layout, LayoutError
+from elastic.planning import choose_layout, model_inputs
 from strategies.planner import (
     Hardware,
     ModelProfile,
     StepOptions,
     bubble_fraction,
-    choose_layout,
     evaluate,
     group_is_intra_node,
     model_state_bytes,
@@ -66,12 +66,14 @@ def test_tp_and_pp_divide_parameters_before_data_parallel_sharding():
     assert entry.state_bytes == pytest.approx(16e9)
 
 
-def test_model_spec_counts_the_built_in_transformer_exactly():
+def test_model_profile_counts_the_built_in_transformer_exactly():
     from elastic.model import build_model
 
-    cfg = load_config(data={"model": {"vocab_size": 96, "dim": 32, "n_layers": 3, "n_heads": 4, "ffn_dim": 80}}).model
-    spec = ModelProfile.from_config(cfg, seq_len=16, micro_batch=2)
-    assert spec.params == sum(p.numel() for p in build_model(cfg).parameters())
+    cfg = load_config(data={"model": {"vocab_size": 96, "dim": 32, "n_layers": 3, "n_heads": 4, "ffn_dim": 80}})
+    profile, _ = model_inputs(cfg, seq_len=16, micro_batch=2)
+    assert profile.params == sum(p.numel() for p in build_model(cfg.model).parameters())
+    assert (profile.n_layers, profile.dim, profile.ffn_dim, profile.vocab_size) == (3, 32, 80, 96)
+    assert profile.embed_params == 96 * 32 and profile.head_params == 96 * 32 + 32
 
 
 def test_activation_checkpointing_shrinks_activations():
@@ -155,8 +157,8 @@ def test_render_aligns_stages():
 # --------------------------------------------------------------------------- ranking and links
 def test_plan_lists_only_valid_layouts_and_ranks_fits_first():
     cfg = load_config(data={"model": {"vocab_size": 96, "dim": 48, "n_heads": 6, "ffn_dim": 96, "n_layers": 3}})
-    model = ModelProfile.from_config(cfg.model, seq_len=16, micro_batch=1)
-    entries = plan(model, Hardware(gpus=12, gpus_per_node=4, gpu_mem_bytes=1e9))
+    model, check = model_inputs(cfg, seq_len=16, micro_batch=1)
+    entries = plan(model, Hardware(gpus=12, gpus_per_node=4, gpu_mem_bytes=1e9), check=check)
     assert entries
     for e in entries:
         assert e.layout.world_size == 12

@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from elastic.config import ModelConfig, ParallelConfig
 from elastic.layout import Layout
-from elastic.model import build_model
+from elastic.model import build_model, model_spec
 from strategies import parallelize
 
 MODEL = ModelConfig(vocab_size=128, dim=64, n_layers=8, n_heads=8, ffn_dim=256, max_seq_len=32)
@@ -89,7 +89,7 @@ def check_rank(job: str, rank: int) -> None:
         parallel = ParallelConfig(
             pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, pp_schedule=schedule
         )
-        pm = parallelize(build_model(MODEL), mesh, parallel, micro_batch=2)
+        pm = parallelize(build_model(MODEL), mesh, parallel, micro_batch=2, spec=model_spec(MODEL))
 
         virtual = parallel.pp_virtual_stages if schedule == "interleaved_1f1b" else 1
         n_stages = layout.pp * virtual

@@ -19,8 +19,8 @@ import storage
 from elastic.config import DataConfig, ModelConfig, ParallelConfig
 from elastic.data import GlobalSampler, SyntheticTokens
 from elastic.layout import Layout
-from elastic.model import build_model, initial_state
-from strategies import load_full_state, parallelize
+from elastic.model import build_model, model_spec
+from strategies import init_weights, parallelize
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=8)
 DATA = DataConfig(num_samples=1024, seq_len=8, seed=3)
@@ -30,10 +30,9 @@ GLOBAL_BATCH = 12
 def _build(layout: Layout):
     """A parallel model at `layout` with the seed-0 initial weights, and its AdamW."""
     mesh = layout.build_mesh("cpu")
-    pm = parallelize(build_model(MODEL), mesh, ParallelConfig(**layout.as_dict()), micro_batch=GLOBAL_BATCH)
-    for part in pm.model_parts:
-        part.to_empty(device="cpu")
-    load_full_state(pm, initial_state(build_model(MODEL), seed=0))
+    pm = parallelize(build_model(MODEL), mesh, ParallelConfig(**layout.as_dict()), micro_batch=GLOBAL_BATCH, spec=model_spec(MODEL))
+    pm.materialize("cpu")
+    init_weights(pm, build_model(MODEL), seed=0)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     return pm, opt
 

@@ -162,7 +162,7 @@ def probe_rank(shape: tuple[int, int, int, int], rank: int) -> str:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from elastic.model import build_model
+    from elastic.model import build_model, model_spec
     from storage.state import plan_writes
     from strategies import load_full_state, parallelize
 
@@ -170,9 +170,8 @@ def probe_rank(shape: tuple[int, int, int, int], rank: int) -> str:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
         mesh = layout.build_mesh("cpu")
-        pm = parallelize(build_model(MODEL), mesh, ParallelConfig(**layout.as_dict()), micro_batch=2)
-        for part in pm.model_parts:
-            part.to_empty(device="cpu")
+        pm = parallelize(build_model(MODEL), mesh, ParallelConfig(**layout.as_dict()), micro_batch=2, spec=model_spec(MODEL))
+        pm.materialize("cpu")
         full = full_state()
         load_full_state(pm, {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")})
         params = dict(pm.named_parameters())

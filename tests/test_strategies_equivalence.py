@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from distributed import run_distributed
 from elastic.config import ModelConfig, ParallelConfig
 from elastic.layout import Layout
-from elastic.model import build_model, initial_state, token_loss_sum
+from elastic.model import build_model, model_spec
+from strategies import initial_state, token_loss_sum
 
 TOL = 1e-5
 STEPS = 3
@@ -40,14 +41,16 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 # -- the single-process reference: no strategies code at all -------------------------------------------
-def reference_train(model: nn.Module, full: dict[str, torch.Tensor], loss_fn=token_loss_sum) -> dict:
+def reference_train(model: nn.Module, full: dict[str, torch.Tensor], loss_fn=token_loss_sum, forward=None) -> dict:
+    """STEPS plain steps; `forward(model, inputs)` gives the logits (default: `model(inputs)`)."""
     model.load_state_dict(full, strict=True)
     opt = make_optimizer(model.parameters())
     inputs, labels = make_batches(_vocab(model))
     losses, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = loss_fn(model(inputs[step]), labels[step])
+        logits = forward(model, inputs[step]) if forward is not None else model(inputs[step])
+        loss = loss_fn(logits, labels[step])
         (loss / (GLOBAL_BATCH * SEQ)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         opt.step()
@@ -56,19 +59,20 @@ def reference_train(model: nn.Module, full: dict[str, torch.Tensor], loss_fn=tok
 
 
 def _vocab(model: nn.Module) -> int:
-    return model.vocab_size if hasattr(model, "vocab_size") else model.cfg.vocab_size
+    for owner in (model, getattr(model, "cfg", None), getattr(model, "config", None)):
+        if hasattr(owner, "vocab_size"):
+            return owner.vocab_size
+    raise AttributeError(f"{type(model).__name__} has no vocab_size")
 
 
 # -- one layout on real ranks ----------------------------------------------------------------------------
 def train_layout(rank: int, layout: Layout, parallel: ParallelConfig, make_model, spec, micro_batch: int) -> dict:
     """Train STEPS steps as the training loop does; return this rank's losses, norms and full parameters."""
-    from strategies import clip_grad_norm, load_full_state, parallelize
+    from strategies import clip_grad_norm, init_weights, parallelize
 
     pm = parallelize(make_model(), layout.build_mesh("cpu"), parallel, micro_batch=micro_batch, spec=spec)
-    for part in pm.model_parts:
-        part.to_empty(device="cpu")
-    full = initial_state(make_model(), seed=0)
-    load_full_state(pm, full)
+    pm.materialize("cpu")
+    init_weights(pm, make_model(), seed=0)
     opt = make_optimizer(pm.parameters())
     inputs, labels = make_batches(_vocab(make_model()))
     local = layout.local_batch(GLOBAL_BATCH)
@@ -159,7 +163,7 @@ def _builtin_model():
 
 def _run_group(rank: int, world: int, names: list[str] | None = None) -> dict:
     return {
-        name: train_layout(rank, layout, parallel, _builtin_model, None, micro)
+        name: train_layout(rank, layout, parallel, _builtin_model, model_spec(MODEL), micro)
         for name, (layout, parallel, micro) in GROUPS[world].items()
         if names is None or name in names
     }
@@ -169,7 +173,7 @@ def _run_group(rank: int, world: int, names: list[str] | None = None) -> dict:
 def reference() -> dict:
     torch.manual_seed(0)
     model = build_model(MODEL, device="cpu")
-    full = initial_state(build_model(MODEL), seed=0)
+    full = initial_state(build_model(MODEL), model_spec(MODEL), seed=0)
     return {"ref": reference_train(model, {k: v.clone() for k, v in full.items()}), "initial": full}
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from elastic.config import ModelConfig
-from elastic.model import build_model
-from strategies import ModelSpec, apply_ac, balance_stages, builtin_spec, split_model, transformer_tp_plan
+from elastic.model import build_model, model_spec, transformer_tp_plan
+from strategies import ModelSpec, apply_ac, balance_stages, split_model
 from strategies.pipeline import default_microbatches, split_blocks, stage_ids
 from strategies.tp import unmatched_plan_keys
 
@@ -40,7 +40,7 @@ def test_stage_modules_keep_full_names():
     full = {n for n, _ in model.named_parameters()}
     seen: list[str] = []
     for pp_rank in range(2):
-        ids, parts = split_model(model, builtin_spec(), pp_rank, pp=2, virtual=2)
+        ids, parts = split_model(model, model_spec(CFG), pp_rank, pp=2, virtual=2)
         assert ids == stage_ids(pp_rank, 2, 2) == [pp_rank, pp_rank + 2]
         for stage, part in zip(ids, parts):
             names = [n for n, _ in part.named_parameters()]

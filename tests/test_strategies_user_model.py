@@ -16,8 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from distributed import run_distributed
 from elastic.config import ParallelConfig
 from elastic.layout import Layout
-from elastic.model import initial_state
-from strategies import ModelSpec
+from strategies import ModelSpec, initial_state
 from test_strategies_equivalence import compare, merge_ranks, reference_train, train_layout
 
 
@@ -79,7 +78,7 @@ def _run(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    full = initial_state(_meta_model(), seed=0)
+    full = initial_state(_meta_model(), SPEC, seed=0)
     torch.manual_seed(0)
     ref = reference_train(TinyMLPLM(), {k: v.clone() for k, v in full.items()})
     return ref, full, run_distributed(_run, 2)

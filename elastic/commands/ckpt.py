@@ -1,11 +1,15 @@
-"""`elastic ckpt`: see what checkpoints a URI holds, what is in one, and whether it is intact.
+"""`elastic ckpt`: see what checkpoints a URI holds, what is in one, and whether it is intact; export the model.
 
     elastic ckpt list URI                 committed checkpoints, newest first
     elastic ckpt inspect URI [--step N]   layout, train state, files and tensors of one (default: newest)
     elastic ckpt verify URI [--step N | --all]   every checksum; exit 1 if anything fails
+    elastic ckpt export URI_OR_RUN [--step N] [--format safetensors] OUT_DIR
+                                          the model weights as sharded safetensors + index (and, for a
+                                          Hugging Face model, what `from_pretrained` needs)
 
-URI is a directory, `file://`, `memory://` or `s3://` prefix. The work lives in
-`storage`; this module turns its results into text (or JSON with `--json`).
+URI is a directory, `file://`, `memory://` or `s3://` prefix; for `export` it
+may also be a run directory (`runs/<name>`), whose checkpoints are used. The
+work lives in `storage`; this module turns its results into text (or JSON with `--json`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+from pathlib import Path
 
 import storage
 from elastic.errors import UsageError
@@ -34,6 +39,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         if name == "verify":
             q.add_argument("--all", action="store_true", help="verify every committed checkpoint")
         q.set_defaults(func=globals()[f"_{name}"])
+    q = sub.add_parser("export", help="write the model weights as safetensors files (Hugging Face layout)")
+    q.add_argument("uri", metavar="URI_OR_RUN", help="checkpoint URI, or a run directory (runs/<name>)")
+    q.add_argument("out_dir", metavar="OUT_DIR", help="directory (or fsspec URI) to write")
+    q.add_argument("--step", type=int, help="the checkpoint's step (default: the newest committed)")
+    q.add_argument("--format", choices=("safetensors",), default="safetensors", help="output format")
+    q.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="convert the weights (default: as stored)")
+    q.add_argument("--max-shard-gb", type=float, default=5.0, help="largest weights file, GB (default 5)")
+    q.set_defaults(func=_export)
 
 
 def _size(n: int) -> str:
@@ -141,3 +154,46 @@ def _verify(args) -> int:
         else:
             print(f"step {r['step']}: FAILED: {r['error']}")
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def _checkpoint_of(arg: str) -> tuple[str, dict | None]:
+    """(checkpoint URI, the job's config if known) of a checkpoint URI or a run directory."""
+    events = Path(arg) / "events.jsonl"
+    if "://" in arg or not events.is_file():
+        return arg, None
+    from elastic.events import read_events
+
+    config = next((e["config"] for e in read_events(events) if e["event"] == "job_start"), None)
+    if config is None:
+        raise UsageError(f"{events}: no job_start event to find the run's checkpoints from")
+    return config["checkpoint"]["uri"] or str(Path(arg) / "checkpoints"), config
+
+
+def _model_files(model: dict | None, dtype) -> dict[str, bytes]:
+    """What the model's spec writes next to exported weights (a Hugging Face config.json, ...); none when unknown."""
+    if model is None:
+        return {}
+    from elastic.config import ModelConfig
+    from elastic.recipe import build_model
+
+    _, spec = build_model(ModelConfig.model_validate(model))
+    return spec.export_files(dtype) if spec.export_files is not None else {}
+
+
+def _export(args) -> int:
+    import torch
+
+    uri, config = _checkpoint_of(args.uri)
+    step = args.step if args.step is not None else _newest(uri)
+    manifest = storage.read_manifest(uri, step)
+    model = manifest["train_state"].get("model") or (config or {}).get("model")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    stored = {t["dtype"] for k, t in manifest["tensors"].items() if k.startswith("model.")}
+    if not stored:
+        raise UsageError(f"{uri} step {step}: no model weights in the checkpoint")
+    extra = _model_files(model, dtype or getattr(torch, max(stored)))  # a config names one dtype: the weights' (they share one)
+    index = storage.export_checkpoint(uri, step, args.out_dir, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 1e9), extra_files=extra)
+    files = sorted(set(index["weight_map"].values()))
+    print(f"exported step {step} of {uri}: {len(index['weight_map'])} tensors, {_size(index['metadata']['total_size'])} "
+          f"in {len(files)} safetensors files" + (f" + {', '.join(sorted(extra))}" if extra else "") + f" -> {args.out_dir}")
+    return 0

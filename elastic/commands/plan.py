@@ -18,7 +18,8 @@ import sys
 
 from elastic.errors import UsageError
 from elastic.config import load_config
-from strategies.planner import Hardware, ModelProfile, PlanEntry, StepOptions, plan
+from elastic.planning import model_inputs, step_options
+from strategies.planner import Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
 from strategies.schedule_timeline import SCHEDULES, render_timeline, timeline
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -74,8 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptions]:
-    """Model, hardware and step options from the arguments, the config filling what they leave out."""
+def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptions, ModelCheck | None]:
+    """Model, hardware, step options and the model's layout check from the arguments, the config filling what they leave out.
+
+    With `--config` the model is the job's (its builder, on meta): exact
+    parameter counts, and only the layouts it allows.
+    """
     cfg = load_config(args.config, args.set) if args.config else None
     if args.set and cfg is None:
         raise UsageError("--set needs --config")
@@ -84,7 +89,7 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
     gpus = args.gpus or (cfg.scaling.num_workers if cfg else None)
     if gpus is None:
         raise UsageError("--gpus is required with --params")
-    base = StepOptions.from_config(cfg) if cfg else StepOptions()
+    base = step_options(cfg) if cfg else StepOptions()
     options = StepOptions(
         global_batch=args.global_batch or base.global_batch or gpus * micro_batch,
         schedule=args.schedule or base.schedule,
@@ -92,14 +97,17 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
         activation_checkpointing=base.activation_checkpointing if args.activation_checkpointing is None else args.activation_checkpointing,
         reshard_after_forward=base.reshard_after_forward,
     )
+    check = None
     try:
-        model = (ModelProfile.from_config(cfg.model, seq_len=seq_len, micro_batch=micro_batch) if cfg
-                 else ModelProfile.from_params(args.params, seq_len=seq_len, micro_batch=micro_batch))
+        if cfg:
+            model, check = model_inputs(cfg, seq_len=seq_len, micro_batch=micro_batch)
+        else:
+            model = ModelProfile.from_params(args.params, seq_len=seq_len, micro_batch=micro_batch)
         hardware = Hardware(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=args.gpu_mem_gb * 1e9,
                             intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, flops=args.tflops * 1e12)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return model, hardware, options
+    return model, hardware, options, check
 
 
 def human_count(n: float) -> str:
@@ -173,8 +181,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give --params or --config (or --timeline to draw a schedule)")
     out: dict = {}
     if args.params is not None or args.config is not None:
-        model, hardware, options = _inputs(args)
-        entries = plan(model, hardware, options)
+        model, hardware, options, check = _inputs(args)
+        entries = plan(model, hardware, options, check)
         if not entries:
             raise UsageError(f"no valid layout for {hardware.gpus} GPUs with {hardware.gpus_per_node} per node "
                              f"and global batch {options.global_batch}")
