@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import ray
@@ -95,7 +96,9 @@ def _run_claimed(cfg: JobConfig, faults: list, data: DataInfo, claim: rundir.Run
     per_node = s.workers_per_node or s.upper
     nodes = math.ceil(s.num_workers / per_node)
     removes_nodes = any(f.kind == "node" for f in faults)
+    t_start = time.time()
     cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes)
+    cluster_s = time.time() - t_start
     if removes_nodes and cluster is None:
         raise ConfigError("node faults remove Ray nodes: they need the embedded cluster, not a real one")
     run_dir = claim.run_dir
@@ -110,9 +113,10 @@ def _run_claimed(cfg: JobConfig, faults: list, data: DataInfo, claim: rundir.Run
     store = open_store(host)
     group = RayWorkerGroup(cfg, host, store.port)
     ctrl = Controller(cfg, group, events, faults=faults, cluster=cluster, fault_store=store, data=data)
+    ctrl.started_at = t_start  # the run's wall time includes Ray's start
     claim.start_renewing(on_lost=ctrl.abort)  # another job took over our run directory or checkpoints: stop writing
     try:
-        events.emit("job_start", name=cfg.name, attempt=claim.attempt, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
+        events.emit("job_start", name=cfg.name, attempt=claim.attempt, cluster_s=cluster_s, config=cfg.model_dump(mode="json"), faults=[f.as_dict() for f in faults])
         events.emit("metrics_endpoint", url=metrics.url)
         for step, reason in skipped:
             events.emit("checkpoint_skipped", step=step, reason=reason)

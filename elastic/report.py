@@ -16,7 +16,12 @@ from pathlib import Path
 
 
 def build_report(ctrl, attempt: int = 1) -> dict:
-    """The report of one invocation (`attempt` of the run: 1, or more after reruns under the same name)."""
+    """The report of one invocation (`attempt` of the run: 1, or more after reruns under the same name).
+
+    `checkpoint_stall_s` is what the ranks waited for their saves (the
+    `stall_s` of each committed save); `checkpoint_commit_s` the controller's
+    commits, which run in the background while training goes on.
+    """
     cfg = ctrl.cfg
     steps = sorted(ctrl.losses)
     wall = ctrl.clock() - ctrl.started_at
@@ -55,6 +60,8 @@ def build_report(ctrl, attempt: int = 1) -> dict:
         "checkpoints_committed": [e["step"] for e in ctrl.events.of("checkpoint_committed")],
         "checkpoints_skipped": [{"step": e["step"], "reason": e["reason"]} for e in ctrl.events.of("checkpoint_skipped")],
         "last_committed_step": ctrl.last_committed,
+        "checkpoint_stall_s": sum(e.get("stall_s") or 0.0 for e in ctrl.events.of("checkpoint_committed")),
+        "checkpoint_commit_s": sum(e.get("commit_s") or 0.0 for e in ctrl.events.of("checkpoint_committed")),
         "wall_s": wall,
         "goodput": kept_time / wall if wall > 0 else 0.0,
     }

@@ -8,7 +8,8 @@ import storage
 from distributed import run_distributed
 from elastic.config import ModelConfig, ParallelConfig
 from elastic.layout import Layout
-from elastic.model import build_model, initial_state, token_loss_sum
+from elastic.model import build_model, model_spec
+from strategies import initial_state, token_loss_sum
 
 SEQ, BATCH = 8, 4
 MODEL = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_dim=32, max_seq_len=SEQ)
@@ -25,15 +26,15 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _layouts(rank: int, world: int) -> dict:
-    from strategies import load_full_state, parallelize
+    from strategies import init_weights, parallelize
 
     out = {}
     inputs, labels = _batch()
+    spec = model_spec(MODEL)
     for name, (layout, parallel) in CASES.items():
-        pm = parallelize(build_model(MODEL), layout.build_mesh("cpu"), parallel, micro_batch=2)
-        for part in pm.model_parts:
-            part.to_empty(device="cpu")
-        load_full_state(pm, initial_state(build_model(MODEL), seed=0))
+        pm = parallelize(build_model(MODEL), layout.build_mesh("cpu"), parallel, micro_batch=2, spec=spec)
+        pm.materialize("cpu")
+        init_weights(pm, build_model(MODEL), seed=0)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
         local = layout.local_batch(BATCH)
         d = layout.dp_rank(rank)
@@ -50,7 +51,7 @@ def _layouts(rank: int, world: int) -> dict:
 
 def test_evaluate_matches_one_process_and_leaves_training_alone():
     model = build_model(MODEL, device="cpu")
-    model.load_state_dict(initial_state(build_model(MODEL), seed=0))
+    model.load_state_dict(initial_state(build_model(MODEL), model_spec(MODEL), seed=0))
     inputs, labels = _batch()
     with torch.no_grad():
         want = float(token_loss_sum(model(inputs), labels))

@@ -44,7 +44,8 @@ def make_run(run_dir: Path, steps: int = 60) -> Path:
             emit("step", STEP_S, step=s, loss=_loss(s) + 0.01 * generation, generation=generation, world_size=world,
                  step_s=STEP_S, grad_norm=1.0)
             if (s + 1) % 10 == 0:
-                emit("checkpoint_committed", 0.05, step=s + 1, commit_s=0.05, generation=generation)
+                # The ranks waited 0.01 s (their stall); the controller's commit took 0.05 s in the background.
+                emit("checkpoint_committed", 0.01, step=s + 1, stall_s=0.01, commit_s=0.05, generation=generation)
 
     emit("job_start", config={"name": "synthetic"}, faults=[{"kind": "node", "rank": 3, "step": 36}])
     emit("state", state="SCHEDULING", previous="SCHEDULING", generation=0)
@@ -116,9 +117,11 @@ def test_time_breakdown_is_derived_from_events(run_dir: Path) -> None:
     tl = analyse(report, events)
     parts = tl.breakdown
     assert parts["training"] == pytest.approx(60 * STEP_S)
-    assert parts["checkpoint stall"] == pytest.approx(0.05 * (3 + 3))  # 10, 20, 30 before the failure; 40, 50, 60 after
+    assert parts["checkpoint stall"] == pytest.approx(0.01 * (3 + 3))  # the ranks' stalls, not the 0.05 s background commits
+    assert parts["start-up"] == pytest.approx(1.0)  # job start to the first step's start
+    assert parts["shutdown"] == pytest.approx(0.1)  # the end state to job_end
     assert parts["detection"] == pytest.approx(0.3)
-    assert parts["recovery"] == pytest.approx(1.8)
+    assert parts["recovery"] == pytest.approx(1.8 - STEP_S)  # its first step after the restart is training
     assert parts["lost work"] == pytest.approx(6 * STEP_S)
     assert sum(parts.values()) == pytest.approx(report["wall_s"])
     assert tl.kept_steps == list(range(60)) and sorted(s for s, _ in tl.rolled_back) == list(range(30, 36))
@@ -160,7 +163,7 @@ def test_a_run_without_failures(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (lambda d: d.rename(d.with_name("elsewhere")), "no such run directory"),
-    (lambda d: (d / "report.json").unlink(), "no report.json (the run is still going, or its driver was killed)"),
+    (lambda d: [(d / "report.json").unlink(), (d / "events.jsonl").unlink()], "no events.jsonl and no report.json: not a run directory"),
     (lambda d: (d / "report.json").write_text("{not json"), "invalid JSON (line 1)"),
     (lambda d: (d / "report.json").write_text('{"name": "x"}'), "not a run report, missing state"),
     (lambda d: (d / "events.jsonl").unlink(), "no events.jsonl"),
@@ -181,3 +184,25 @@ def test_bad_event_line_is_named_but_a_cut_off_last_line_is_tolerated(run_dir: P
     assert main(["report", str(run_dir), "--no-plots"]) == 2
     assert "events.jsonl: line 1 is not JSON" in capsys.readouterr().err
 
+
+
+def test_a_run_whose_driver_was_killed_is_rebuilt_from_its_events(run_dir: Path, capsys) -> None:
+    (run_dir / "report.json").unlink()
+    events = (run_dir / "events.jsonl").read_text().splitlines()
+    cut = next(i for i, line in enumerate(events) if '"step": 45' in line)
+    (run_dir / "events.jsonl").write_text("\n".join(events[:cut]) + "\n")  # killed during step 45
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic (UNFINISHED: no report.json: the run did not finish" in out.splitlines()[0]
+    assert any(line.split()[:4] == ["steps", "45", "/", "?"] or line.split()[:2] == ["steps", "45"] for line in out.splitlines())
+    assert "1 detected, 1 faults injected" in out and "4 (dp_shard=4) -> 2 (dp_shard=2)" in out
+
+
+def test_every_attempt_of_a_run_is_shown_in_order(tmp_path: Path, capsys) -> None:
+    run_dir = make_run(tmp_path / "runs" / "synthetic")
+    make_run(run_dir / "attempts" / "1", steps=40)
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    first, second = out.index("== attempt 1 of 2"), out.index("== attempt 2 of 2")
+    assert first < second
+    assert "40 / 40" in " ".join(out[first:second].split()) and "60 / 60" in " ".join(out[second:].split())

@@ -5,7 +5,10 @@
 
 The table comes from `report.json` (written by the controller at the end of a
 run); the plots and the time breakdown come from `events.jsonl`, which holds
-every step, including the ones a recovery rolled back and ran again.
+every step, including the ones a recovery rolled back and ran again. A run
+whose driver was killed left no report.json: its table is rebuilt from the
+event log and says the run did not finish. Earlier invocations of the same
+run (`attempts/N/`, `elastic.rundir`) are shown first, one after the other.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ REPORT_FIELDS = ("name", "state", "steps_completed", "steps_planned", "initial_l
                  "checkpoints_skipped", "last_committed_step", "wall_s", "goodput")
 """The report.json fields the table reads; a file without them is not a report of this project."""
 
-BREAKDOWN = ("training", "checkpoint stall", "detection", "recovery", "lost work", "other")
+BREAKDOWN = ("training", "start-up", "checkpoint stall", "detection", "recovery", "lost work", "resizes", "shutdown", "other")
 """Where the wall time went, in the order the table and the plot show it."""
 
 
@@ -78,12 +81,66 @@ def load_run(run_dir: str | Path) -> tuple[dict, list[dict]]:
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such run directory")
     report_path, events_path = run_dir / "report.json", run_dir / "events.jsonl"
-    if not report_path.is_file():
-        hint = " (the run is still going, or its driver was killed)" if events_path.is_file() else ""
-        raise UsageError(f"{run_dir}: no report.json{hint}")
     if not events_path.is_file():
-        raise UsageError(f"{run_dir}: no events.jsonl")
-    return _load_report(report_path), _load_events(events_path)
+        raise UsageError(f"{run_dir}: no events.jsonl" + ("" if report_path.is_file() else " and no report.json: not a run directory"))
+    events = _load_events(events_path)
+    if not report_path.is_file():  # the driver was killed (or is still running): what the log says is all there is
+        return report_from_events(events), events
+    return _load_report(report_path), events
+
+
+def report_from_events(events: list[dict]) -> dict:
+    """A report rebuilt from the event log of a run that wrote no report.json: its state says it did not finish.
+
+    What the log does not hold is left out (`None`): the sample ledger, and
+    the failures' lost steps where no recovery followed.
+    """
+    start = next((e for e in events if e["event"] == "job_start"), {})
+    config = start.get("config") or {}
+    kept: dict[int, dict] = {}
+    for e in events:
+        if e["event"] == "step":
+            kept[e["step"]] = e  # a step run again after a rollback replaces the earlier run
+    steps = sorted(kept)
+    generations = [e for e in events if e["event"] == "generation_start"]
+    recovering = [e for e in events if e["event"] == "recovering"]
+    failures = []
+    for i, e in enumerate(e for e in events if e["event"] == "failure_detected"):
+        fields = {k: e.get(k) for k in ("kind", "detected_as", "rank", "node", "culprit", "step", "fault_id", "detect_s")}
+        fields.update(recover_s=None, lost_steps=recovering[i].get("lost_steps") if i < len(recovering) else None,
+                      resume_step=recovering[i].get("resume_step") if i < len(recovering) else None, error=e.get("detail", ""))
+        failures.append(fields)
+    for f, e in zip(failures, (e for e in events if e["event"] == "recovered")):
+        f["recover_s"] = e.get("recover_s")
+    ended = [e for e in events if e["event"] == "state" and e.get("state") in ("FINISHED", "FAILED")]
+    committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    wall = events[-1]["t"] - events[0]["t"] + float(start.get("cluster_s") or 0.0)
+    return {
+        "name": config.get("name") or start.get("name") or "?",
+        "attempt": start.get("attempt", 1),
+        "state": ended[-1]["state"] if ended else "UNFINISHED",
+        "reason": "no report.json: " + ("the driver ended before writing it" if ended else
+                                        "the run did not finish (its driver was killed) or is still going; rebuilt from events.jsonl"),
+        "steps_completed": len(steps),
+        "steps_planned": (config.get("training") or {}).get("steps"),
+        "initial_loss": kept[steps[0]]["loss"] if steps else None,
+        "final_loss": kept[steps[-1]]["loss"] if steps else None,
+        "losses": [kept[s]["loss"] for s in steps],
+        "world_sizes": [e["world_size"] for e in generations],
+        "layouts": [e["layout"] for e in generations],
+        "generations": len(generations),
+        "failures": failures,
+        "failures_detected": len(failures),
+        "faults_injected": sum(e["event"] == "fault_injected" for e in events),
+        "samples": None,
+        "checkpoints_committed": committed,
+        "checkpoints_skipped": [{"step": e["step"], "reason": e["reason"]} for e in events if e["event"] == "checkpoint_skipped"],
+        "last_committed_step": committed[-1] if committed else None,
+        "checkpoint_stall_s": sum(e.get("stall_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
+        "checkpoint_commit_s": sum(e.get("commit_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
+        "wall_s": wall,
+        "goodput": sum(kept[s]["step_s"] for s in steps) / wall if wall > 0 else 0.0,
+    }
 
 
 # --------------------------------------------------------------------------- analysis
@@ -120,13 +177,20 @@ class RunTimeline:
 def analyse(report: dict, events: list[dict]) -> RunTimeline:
     """The plots' series from the event log, and the run's wall time split into where it went.
 
-    The parts are training, checkpoint stall, detection, recovery, lost work
-    and the rest (start-up, scheduling): detection and recovery are the sums of the controller's own `detect_s`
-    and `recover_s`; lost work is the rolled-back steps times the median step
-    time; training is the time of the kept steps only, so the six parts add up
-    to the wall time (overlap, e.g. an async checkpoint, only shrinks "other").
+    The parts: training (the kept steps only); start-up (Ray's start, the
+    workers', up to the first step); checkpoint stall (the ranks' waits for
+    their saves, not the controller's background commits); detection and
+    recovery (the controller's own `detect_s`, and `recover_s` less the first
+    step it waited for, which is training); lost work (the
+    rolled-back steps times the median step time); resizes (a planned
+    resize's restart up to its first step); shutdown (after the end state:
+    teardown, report, last metrics); and what is left ("other": scheduling
+    and the waits between steps). They add up to the wall time; overlap only
+    shrinks "other".
     """
-    t0 = next((e["t"] for e in events if e["event"] == "job_start"), events[0]["t"])
+    start = next((e for e in events if e["event"] == "job_start"), events[0])
+    cluster_s = float(start.get("cluster_s") or 0.0)  # Ray's start, before the first event
+    t0 = start["t"]
     out = RunTimeline(world=[(0.0, 0)])  # nobody trains until the first generation starts
     last_run: dict[int, dict] = {}
     last_eval: dict[int, float] = {}  # an evaluation run again after a recovery overwrites the earlier one
@@ -165,14 +229,59 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     lost_steps = sum(e.get("lost_steps") or 0 for e in events if e["event"] == "recovering")
     parts = {
         "training": sum(last_run[s]["step_s"] for s in out.kept_steps),
-        "checkpoint stall": sum(e.get("commit_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
+        "start-up": _startup_s(events, t0, cluster_s),
+        # The ranks' own wait for a save (a synchronous save's whole write; an async save's copy), not the
+        # controller's commit, which runs in the background (summary_rows shows it apart).
+        "checkpoint stall": sum(e.get("stall_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
         "detection": sum(e.get("detect_s") or 0.0 for e in events if e["event"] == "failure_detected"),
-        "recovery": sum(e.get("recover_s") or 0.0 for e in events if e["event"] == "recovered"),
+        "recovery": _recovery_s(events),
         "lost work": lost_steps * median_step,
+        "resizes": _restart_s(events, "resized"),
+        "shutdown": _shutdown_s(events),
     }
     parts["other"] = max(0.0, out.wall_s - sum(parts.values()))
     out.breakdown = parts
     return out
+
+
+def _recovery_s(events: list[dict]) -> float:
+    """The controller's `recover_s` (detection to the first completed step) less that first step, which counts as training."""
+    total, last_step = 0.0, {}
+    for e in events:
+        if e["event"] == "step":
+            last_step[e["step"]] = e["step_s"]
+        elif e["event"] == "recovered":
+            total += max(0.0, (e.get("recover_s") or 0.0) - last_step.get(e.get("step"), 0.0))
+    return total
+
+
+def _first_step_start(events: list[dict], after: float) -> float | None:
+    """When the first step after time `after` began (its event's time less its duration)."""
+    return next((e["t"] - e["step_s"] for e in events if e["event"] == "step" and e["t"] > after), None)
+
+
+def _startup_s(events: list[dict], t0: float, cluster_s: float) -> float:
+    """From the start of the run (Ray's start included) to its first step, or to its first failure if that came first."""
+    first = _first_step_start(events, t0)
+    failed = next((e["t"] for e in events if e["event"] == "failure_detected"), None)
+    ends = [t for t in (first, failed) if t is not None]
+    return max(0.0, min(ends) - t0) + cluster_s if ends else cluster_s
+
+
+def _restart_s(events: list[dict], kind: str) -> float:
+    """For each `kind` event (a planned resize's teardown), the time until the next generation's first step began."""
+    total = 0.0
+    for e in events:
+        if e["event"] == kind and (start := _first_step_start(events, e["t"])) is not None:
+            total += max(0.0, start - e["t"])
+    return total
+
+
+def _shutdown_s(events: list[dict]) -> float:
+    """From the end state (FINISHED or FAILED) to the end of the job: teardown, the report, the metrics' last export."""
+    end = next((e["t"] for e in reversed(events) if e["event"] == "state" and e.get("state") in ("FINISHED", "FAILED")), None)
+    last = next((e["t"] for e in reversed(events) if e["event"] == "job_end"), None)
+    return max(0.0, last - end) if end is not None and last is not None else 0.0
 
 
 def _last_training_size(world: list[tuple[float, int]]) -> int | None:
@@ -193,7 +302,7 @@ def _layout(layout: dict) -> str:
 def summary_rows(report: dict) -> list[tuple[str, str]]:
     """The run at a glance: one (label, value) row per line of the summary table."""
     sizes = [f"{w} ({_layout(layout)})" for w, layout in zip(report["world_sizes"], report["layouts"])]
-    samples = report["samples"] or {}
+    samples = report["samples"] or {}  # None: a report rebuilt from the event log has no ledger
     skipped = report["checkpoints_skipped"]
     state = report["state"] + (f": {report['reason']}" if report.get("reason") else "")
     return [
@@ -211,6 +320,8 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
                      f"{samples.get('duplicated', '-')} duplicated, {samples.get('missing', '-')} missing")),
         ("checkpoints", (f"{len(report['checkpoints_committed'])} committed (last step {_num(report['last_committed_step'], '{}')}), "
                          f"{len(skipped)} skipped")),
+        ("checkpoint time", (f"ranks stalled {_num(report.get('checkpoint_stall_s'))} s for their saves; "
+                             f"commits took {_num(report.get('checkpoint_commit_s'))} s in the background")),
     ]
 
 
@@ -279,12 +390,20 @@ def print_rich(report: dict, timeline: RunTimeline) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report, events = load_run(args.run_dir)
-    timeline = analyse(report, events)
-    if sys.stdout.isatty():
-        print_rich(report, timeline)
-    else:
-        print(render_plain(report, timeline))
+    """Every attempt of the run (earlier invocations under attempts/N first), then the plots of the latest."""
+    from elastic.rundir import attempts
+
+    run_dir = Path(args.run_dir)
+    earlier = attempts(run_dir) if run_dir.is_dir() else []
+    for number, directory in enumerate([*earlier, run_dir], 1):
+        report, events = load_run(directory)
+        timeline = analyse(report, events)
+        if earlier:
+            print(f"{'' if number == 1 else chr(10)}== attempt {number} of {len(earlier) + 1} ({directory})")
+        if sys.stdout.isatty():
+            print_rich(report, timeline)
+        else:
+            print(render_plain(report, timeline))
     if not args.no_plots:
         from elastic.plots import write_plots
 
