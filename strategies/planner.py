@@ -129,16 +129,20 @@ class ModelProfile:
 
         A block of a SwiGLU transformer with ffn = 8/3 dim holds about 12 dim^2
         parameters, and current models keep dim ~ 128 x layers (LLaMA-7B:
-        4096 = 128 x 32). Solving 12 * L * (128 L)^2 = params gives L. All
-        parameters are counted in the blocks, so the state memory is exact
-        and only the activation/traffic figures depend on the guessed shape.
-        ffn is rounded up to a multiple of 256 as LLaMA does; the vocabulary
-        stays unknown, and nothing constrains the tensor-parallel degree.
+        4096 = 128 x 32). Solving 12 * L * (128 L)^2 = params gives L; the
+        width is then rounded to a multiple of 8 heads of `HEAD_DIM` (as real
+        models have: 32 heads at 7B, 64 at 70B) and the layers recounted
+        from it, so that tp of 1 to 8 divides the heads the caller checks
+        against (dim / HEAD_DIM). All parameters are counted in the blocks,
+        so the state memory is exact and only the activation/traffic figures
+        depend on the guessed shape. ffn is rounded up to a multiple of 256 as
+        LLaMA does; the vocabulary stays unknown.
         """
         if params <= 0:
             raise ValueError(f"parameter count must be > 0, got {params:g}")
-        layers = max(1, round((params / (12 * HEAD_DIM**2)) ** (1 / 3)))
-        dim = HEAD_DIM * layers
+        guess = max(1, round((params / (12 * HEAD_DIM**2)) ** (1 / 3)))
+        dim = 8 * HEAD_DIM * max(1, round(guess / 8))
+        layers = max(1, round(params / (12 * dim**2)))
         return cls(n_layers=layers, dim=dim, ffn_dim=-(-8 * dim // (3 * 256)) * 256, layer_params=params / layers,
                    seq_len=seq_len, micro_batch=micro_batch)
 

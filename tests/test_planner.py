@@ -318,3 +318,45 @@ def test_cli_bad_values_exit_2(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_plan_states_the_utilisation_it_assumes_and_labels_what_the_runtime_cannot_run(capsys):
+    argv = ["plan", "--params", "7e9", "--gpus", "16", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--top", "1", "--json"]
+    assert main(argv) == 0
+    at_40 = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--mfu", "0.2"]) == 0
+    at_20 = json.loads(capsys.readouterr().out)
+    assert at_40["hardware"]["mfu"] == 0.4 and at_20["hardware"]["mfu"] == 0.2
+    assert at_20["layouts"][0]["compute_s"] == pytest.approx(2 * at_40["layouts"][0]["compute_s"])
+    assert main(argv[:-1]) == 0
+    table = capsys.readouterr().out
+    assert "compute at 40% of 312 TFLOP/s peak" in table and "DP*" in table and "Z1*" in table
+    assert "for comparison only" in table
+    assert main(argv[:-1] + ["--mfu", "1.5"]) == 2
+
+
+def test_a_guessed_shape_has_heads_that_tp_divides_and_tp_is_constrained_by_them():
+    from elastic.commands.plan import _guessed_heads_check
+    from strategies.planner import HEAD_DIM
+
+    for params in (125e6, 7e9, 70e9, 405e9):
+        model = ModelProfile.from_params(params)
+        heads = model.dim // HEAD_DIM
+        assert heads % 8 == 0 and abs(model.params - params) < 1e-6 * params, (params, heads)
+    check = _guessed_heads_check(ModelProfile(n_layers=4, dim=20 * HEAD_DIM, ffn_dim=8192, layer_params=1e8))
+    assert check(Layout(tp=8)) == "tp=8 does not divide the 20 attention heads of the guessed shape"
+    assert check(Layout(tp=4)) is None
+
+
+def test_plan_of_a_grouped_query_attention_model_counts_it_exactly_and_keeps_tp_within_its_kv_heads(capsys):
+    pytest.importorskip("transformers")
+    from elastic.config import load_config
+    from elastic.recipe import build_model
+
+    cfg = load_config("examples/hf-llama-1b.yaml")
+    model, _ = build_model(cfg.model)
+    exact = sum(p.numel() for p in model.parameters())
+    assert main(["plan", "--config", "examples/hf-llama-1b.yaml", "--gpus", "64", "--gpus-per-node", "16", "--top", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["params"] == exact  # 8 kv heads of 32: a model config without GQA would count 4x the k/v weights
+    assert {e["layout"]["tp"] for e in out["layouts"]} <= {1, 2, 4, 8}  # tp=16 would split a kv head

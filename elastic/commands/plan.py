@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ import sys
 from elastic.errors import UsageError
 from elastic.config import load_config
 from elastic.planning import model_inputs, step_options
-from strategies.planner import Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
+from strategies.planner import HEAD_DIM, Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
 from strategies.schedule_timeline import SCHEDULES, render_timeline, timeline
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -59,7 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU, GB (1e9 bytes)")
     p.add_argument("--intra-gbps", type=float, default=900.0, help="intra-node bandwidth per GPU, GB/s (NVLink-class)")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="inter-node bandwidth per GPU, GB/s (400 Gbit/s = 50)")
-    p.add_argument("--tflops", type=float, default=312.0, help="sustained bf16 TFLOP/s of one GPU (weighs the bubble against traffic)")
+    p.add_argument("--tflops", type=float, default=312.0, help="peak dense bf16 TFLOP/s of one GPU (default: an A100's 312)")
+    p.add_argument("--mfu", type=float, default=0.4,
+                   help="the share of --tflops a step sustains (model FLOPs utilisation; default 0.4, what well-tuned large runs reach): "
+                        "weighs the bubble against traffic")
     p.add_argument("--seq-len", type=positive_int, help="tokens per sample (default 2048, or data.seq_len)")
     p.add_argument("--micro-batch", type=positive_int, help="samples per micro-batch (default 1, or training.micro_batch)")
     p.add_argument("--global-batch", type=positive_int, help="samples per step (default gpus x micro-batch, or training.global_batch)")
@@ -103,11 +107,24 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
             model, check = model_inputs(cfg, seq_len=seq_len, micro_batch=micro_batch)
         else:
             model = ModelProfile.from_params(args.params, seq_len=seq_len, micro_batch=micro_batch)
+            check = _guessed_heads_check(model)
+        if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
+            raise ValueError(f"--mfu {args.mfu} must be a share of the peak in (0, 1]")
         hardware = Hardware(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=args.gpu_mem_gb * 1e9,
-                            intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, flops=args.tflops * 1e12)
+                            intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, flops=args.tflops * 1e12 * args.mfu)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return model, hardware, options, check
+
+
+def _guessed_heads_check(model: ModelProfile):
+    """For a shape guessed from a parameter count: tp must divide its attention heads (dim / HEAD_DIM), as it would in the model."""
+    heads = model.dim // HEAD_DIM
+
+    def check(layout) -> str | None:
+        return None if heads % layout.tp == 0 else f"tp={layout.tp} does not divide the {heads} attention heads of the guessed shape"
+
+    return check
 
 
 def human_count(n: float) -> str:
@@ -123,7 +140,7 @@ def _gb(value: float) -> str:
     return f"{value / 1e9:.1f}"
 
 
-COLUMNS = ("#", "pp x rep x shard x tp", "fits", "mem GB", "state GB", "DP", "Z1", "Z2", "Z3", "act GB", "act+AC GB",
+COLUMNS = ("#", "pp x rep x shard x tp", "fits", "mem GB", "state GB", "DP*", "Z1*", "Z2", "Z3", "act GB", "act+AC GB",
            "intra GB", "inter GB", "m", "bubble", "step s")
 
 
@@ -135,13 +152,16 @@ def _row(i: int, e: PlanEntry) -> list[str]:
             _gb(e.intra_bytes), _gb(e.inter_bytes), str(e.microbatches), f"{e.bubble:.1%}", f"{e.step_s:.3g}"]
 
 
-def _summary(model: ModelProfile, hw: Hardware, options: StepOptions, shown: int, total: int) -> str:
+def _summary(model: ModelProfile, hw: Hardware, options: StepOptions, shown: int, total: int, mfu: float, guessed: bool) -> str:
     fits = "activation checkpointing" if options.activation_checkpointing else "full activations"
-    return (f"{human_count(model.params)} parameters, {model.n_layers} layers, dim {model.dim}, seq {model.seq_len}, micro-batch {model.micro_batch}; "
-            f"{hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_bytes / 1e9:g} GB, {hw.intra_bw / 1e9:g}/{hw.inter_bw / 1e9:g} GB/s intra/inter); "
+    shape = f" (shape guessed from the count: {model.dim // HEAD_DIM} heads of {HEAD_DIM})" if guessed else ""
+    return (f"{human_count(model.params)} parameters, {model.n_layers} layers, dim {model.dim}{shape}, seq {model.seq_len}, micro-batch {model.micro_batch}; "
+            f"{hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_bytes / 1e9:g} GB, {hw.intra_bw / 1e9:g}/{hw.inter_bw / 1e9:g} GB/s intra/inter, "
+            f"compute at {mfu:.0%} of {hw.flops / mfu / 1e12:g} TFLOP/s peak); "
             f"schedule {options.schedule}; fit with {fits}; best {shown} of {total} layouts. "
             "mem = state (HSDP over dp_shard) + activations + gathered blocks; DP/Z1/Z2/Z3 = model state under plain DP and ZeRO-1/2/3 "
-            "over the whole data-parallel group; traffic per GPU and step")
+            "over the whole data-parallel group (* for comparison only: the runtime runs Z3, Z2 = parallel.reshard_after_forward false, "
+            "and HSDP, not plain DP or ZeRO-1); traffic per GPU and step")
 
 
 def _plain_table(rows: list[list[str]]) -> str:
@@ -188,10 +208,11 @@ def _run(args: argparse.Namespace) -> int:
                              f"and global batch {options.global_batch}")
         shown = entries[: args.top]
         if args.json:
-            out.update(model={**model.__dict__, "params": model.params}, hardware=hardware.__dict__, options=options.__dict__,
+            out.update(model={**model.__dict__, "params": model.params}, hardware={**hardware.__dict__, "mfu": args.mfu}, options=options.__dict__,
                        total_layouts=len(entries), layouts=[e.to_dict() for e in shown])
         else:
-            _print_table(_summary(model, hardware, options, len(shown), len(entries)), [_row(i + 1, e) for i, e in enumerate(shown)])
+            summary = _summary(model, hardware, options, len(shown), len(entries), args.mfu, guessed=args.config is None)
+            _print_table(summary, [_row(i + 1, e) for i, e in enumerate(shown)])
     if args.timeline:
         drawing = (args.timeline, args.stages, args.microbatches, args.virtual_stages or 2)
         try:
