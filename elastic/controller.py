@@ -307,14 +307,14 @@ class Controller:
             self.spares_requested = True
             self._replenish()
         self.events.emit(
-            "step", step=step, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration,
+            "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration,
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
         )
         if self.open_failure is not None:
             failure = self.open_failure
             failure["recover_s"] = now - failure["detected_at"]
             self.open_failure = None
-            self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step)
+            self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step + 1)
 
     def _on_eval_record(self, rec: dict, now: float) -> None:
         """One data slice's loss sum over one eval batch; the eval event once every slice of every batch reported."""

@@ -58,7 +58,7 @@ class ProgressPrinter:
 
     def _render(self) -> Table:
         e = self._last_step
-        done = e["step"] + 1
+        done = e["step"]
         row = Table.grid(padding=(0, 1))
         row.add_row(
             Text(f"step {done:>5}/{self.total}", style="bold"),
@@ -70,7 +70,7 @@ class ProgressPrinter:
     def _show_step(self, e: dict) -> None:
         self._last_step = e
         interval = 0.1 if self.live_mode else self.every_s  # a live line is redrawn at most ten times a second
-        due = self._last_print is None or e["t"] - self._last_print >= interval or e["step"] + 1 == self.total
+        due = self._last_print is None or e["t"] - self._last_print >= interval or e["step"] == self.total
         if due:
             self._last_print = e["t"]
         if self.live_mode:
@@ -80,7 +80,7 @@ class ProgressPrinter:
             else:
                 self._live.update(self._render(), refresh=due)
         elif due:
-            print(f"step {e['step'] + 1:>5}/{self.total}  " + "  ".join(self._numbers(e)), file=self.console.file, flush=True)
+            print(f"step {e['step']:>5}/{self.total}  " + "  ".join(self._numbers(e)), file=self.console.file, flush=True)
 
     def close(self) -> None:
         """Leave the live line on the screen as it last was."""

@@ -26,7 +26,7 @@ def build_report(ctrl, attempt: int = 1) -> dict:
     steps = sorted(ctrl.losses)
     wall = ctrl.clock() - ctrl.started_at
     last_run = {e["step"]: e["step_s"] for e in ctrl.events.of("step")}  # a re-run step overwrites its rolled-back run
-    kept_time = sum(last_run[s] for s in steps)
+    kept_time = sum(last_run[s + 1] for s in steps)  # events number steps from 1, the loss table by their index
     injected = ctrl.events.of("fault_injected")
     return {
         "name": cfg.name,

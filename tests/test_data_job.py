@@ -31,9 +31,10 @@ def _check_every_step(report, events, stream, seed, n, global_batch, start_posit
     s = report["samples"]
     assert s["missing"] == 0 and s["duplicated"] == 0 and s["seen_once"] == s["expected"] == report["steps_completed"] * global_batch
     steps = [e for e in events if e["event"] == "step"]
-    assert {e["step"] for e in steps} == set(range(first_step, first_step + report["steps_completed"]))
+    # Step events count completed steps: the step after `first_step` completed ones is step first_step + 1.
+    assert {e["step"] for e in steps} == set(range(first_step + 1, first_step + report["steps_completed"] + 1))
     for e in steps:
-        position = start_position + (e["step"] - first_step) * global_batch
+        position = start_position + (e["step"] - 1 - first_step) * global_batch
         assert e["data_position"] == position
         indices = order(seed, n, range(position, position + global_batch))
         assert e["data_digest"] == digest(windows(stream, SEQ, indices)), e["step"]

@@ -24,15 +24,15 @@ def _run_events():
     """A small run: 10 steps, a checkpoint at 5, a failure and a recovery, a grad spike warning."""
     gen = {"event": "generation_start", "generation": 1, "world_size": 4, "layout": {"dp_shard": 4}, "resume_step": None, "reason": "start"}
     yield {"t": 0.0, **gen}
-    for i in range(5):
-        yield _step(i, 1.0 + i)
+    for i in range(1, 6):  # step events count completed steps: the first step is step 1
+        yield _step(i, i)
     yield {"t": 6.0, "event": "checkpoint_committed", "step": 5, "commit_s": 0.1, "save_s": 0.2, "stall_s": 0.2, "bytes": 100}
     yield {"t": 6.5, "event": "failure_detected", "kind": "kill", "detected_as": "rank_died", "rank": 1, "culprit": 1, "detect_s": 0.05}
     yield {"t": 6.6, "event": "recovering", "resume_step": 5, "lost_steps": 0}
     yield {"t": 7.0, **gen, "generation": 2, "world_size": 2, "resume_step": 5}
-    for i in range(5, 10):
-        yield _step(i, 8.0 + i, world=2, gen=2, loss=2.0)
-    yield {"t": 17.5, "event": "warning", "kind": "grad_spike", "step": 9, "value": 30.0, "threshold": 10.0, "message": "grad norm 30 at step 9"}
+    for i in range(6, 11):
+        yield _step(i, 7.0 + i, world=2, gen=2, loss=2.0)
+    yield {"t": 17.5, "event": "warning", "kind": "grad_spike", "step": 10, "value": 30.0, "threshold": 10.0, "message": "grad norm 30 at step 10"}
     yield {"t": 18.0, "event": "state", "state": "FINISHED", "previous": "RUNNING", "generation": 2}
     yield {"t": 18.1, "event": "job_end", "state": "FINISHED"}
 
@@ -53,7 +53,7 @@ def test_plain_lines_when_not_a_terminal():
     assert "[failure] rank_died rank 1 (culprit 1) detected in 0.050s" in lines
     assert "[gen 1] 4 workers, layout {'dp_shard': 4}, start from scratch: start" in lines
     assert "[recover] resume from step 5, lost 0 steps" in lines and "[gen 2] 2 workers, layout {'dp_shard': 4}, start from step 5: start" in lines
-    assert "[warning] grad_spike: grad norm 30 at step 9" in lines
+    assert "[warning] grad_spike: grad norm 30 at step 10" in lines
     assert lines[-1] == "[finished]"
 
 

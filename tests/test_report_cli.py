@@ -41,7 +41,8 @@ def make_run(run_dir: Path, steps: int = 60) -> Path:
 
     def run_steps(first: int, last: int, generation: int, world: int) -> None:
         for s in range(first, last):
-            emit("step", STEP_S, step=s, loss=_loss(s) + 0.01 * generation, generation=generation, world_size=world,
+            # Step events count completed steps: step index s is step s + 1.
+            emit("step", STEP_S, step=s + 1, loss=_loss(s) + 0.01 * generation, generation=generation, world_size=world,
                  step_s=STEP_S, grad_norm=1.0)
             if (s + 1) % 10 == 0:
                 # The ranks waited 0.01 s (their stall); the controller's commit took 0.05 s in the background.
@@ -124,7 +125,7 @@ def test_time_breakdown_is_derived_from_events(run_dir: Path) -> None:
     assert parts["recovery"] == pytest.approx(1.8 - STEP_S)  # its first step after the restart is training
     assert parts["lost work"] == pytest.approx(6 * STEP_S)
     assert sum(parts.values()) == pytest.approx(report["wall_s"])
-    assert tl.kept_steps == list(range(60)) and sorted(s for s, _ in tl.rolled_back) == list(range(30, 36))
+    assert tl.kept_steps == list(range(1, 61)) and sorted(s for s, _ in tl.rolled_back) == list(range(31, 37))
     assert [(m.step, m.label) for m in tl.failures] == [(36, "node rank 3")]
     assert [(m.step, m.label) for m in tl.resizes] == [(30, "4 -> 2 workers")]
     assert [w for _, w in tl.world] == [0, 4, 0, 2]
@@ -189,7 +190,7 @@ def test_bad_event_line_is_named_but_a_cut_off_last_line_is_tolerated(run_dir: P
 def test_a_run_whose_driver_was_killed_is_rebuilt_from_its_events(run_dir: Path, capsys) -> None:
     (run_dir / "report.json").unlink()
     events = (run_dir / "events.jsonl").read_text().splitlines()
-    cut = next(i for i, line in enumerate(events) if '"step": 45' in line)
+    cut = next(i for i, line in enumerate(events) if '"step": 46' in line)
     (run_dir / "events.jsonl").write_text("\n".join(events[:cut]) + "\n")  # killed during step 45
     assert main(["report", str(run_dir), "--no-plots"]) == 0
     out = capsys.readouterr().out
