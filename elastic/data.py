@@ -206,16 +206,18 @@ def _split(cfg: JobConfig, available: int, where: str) -> tuple[int, int]:
 
 
 def _check_vocab(cfg: JobConfig, windows) -> None:
-    """The first and last windows' tokens fit the model's vocabulary: a wrong data.dtype or tokenizer shows here."""
-    vocab = getattr(cfg.model, "vocab_size", None)
+    """The first and last windows' tokens fit the model's vocabulary (its builder's): a wrong data.dtype or tokenizer shows here."""
+    from elastic.recipe import model_vocab_size
+
+    vocab = model_vocab_size(cfg.model)
     if vocab is None:
         return
     if cfg.data.eos_token is not None and cfg.data.eos_token >= vocab:
-        raise ConfigError(f"data.eos_token ({cfg.data.eos_token}) is not below model.vocab_size ({vocab})")
+        raise ConfigError(f"data.eos_token ({cfg.data.eos_token}) is not below the model's vocabulary ({vocab})")
     sample = windows.windows([0, len(windows) - 1])
     if int(sample.max()) >= vocab:
         raise ConfigError(
-            f"data.path: token id {int(sample.max())} is not below model.vocab_size ({vocab}); check data.dtype and the tokenizer"
+            f"data.path: token id {int(sample.max())} is not below the model's vocabulary ({vocab}); check data.dtype and the tokenizer"
         )
 
 

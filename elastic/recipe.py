@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import storage
-from elastic.config import ConfigError, JobConfig, ModelConfig, TrainingConfig
+from elastic.config import BUILTIN_BUILDER, ConfigError, JobConfig, ModelConfig, TrainingConfig
 from strategies import ModelSpec, ParallelModel, init_weights
 from strategies.parallelize import model_problems
 
@@ -77,6 +77,18 @@ def build_model(cfg: ModelConfig) -> tuple[nn.Module, ModelSpec]:
     if real:
         raise ConfigError(f"model.builder {cfg.builder} built {real[0]} on {model.get_parameter(real[0]).device}: build on the meta device")
     return model, spec
+
+
+_vocab: dict[str, int | None] = {}
+
+
+def model_vocab_size(cfg: ModelConfig) -> int | None:
+    """The model's vocabulary (its spec's, else the built-in `model.vocab_size`; None when unknown); cached per model config."""
+    key = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    if key not in _vocab:
+        _, spec = build_model(cfg)
+        _vocab[key] = spec.vocab_size or (cfg.vocab_size if cfg.builder == BUILTIN_BUILDER else None)
+    return _vocab[key]
 
 
 _checked: dict[str, list[str]] = {}

@@ -124,10 +124,10 @@ def test_corpus_changed_after_indexing_is_an_error(tmp_path):
         ({"path": "{tmp}/c", "column": "tokens"}, {}, "data.column 'tokens': not in"),
         ({"path": "{tmp}/c", "column": "text"}, {}, "data.column 'text' of"),
         ({"path": "{tmp}/odd"}, {}, "data.dtype uint16"),
-        ({"path": "{tmp}/c", "dtype": "uint32"}, {}, "not below model.vocab_size (64); check data.dtype"),  # uint16 read as uint32
+        ({"path": "{tmp}/c", "dtype": "uint32"}, {}, "not below the model's vocabulary (64); check data.dtype"),  # uint16 read as uint32
         ({"path": "{tmp}/c/00.parquet"}, {"global_batch": 512, "micro_batch": 4}, "fewer than one training.global_batch (512)"),
         ({"path": "{tmp}/c", "num_samples": 10_000}, {}, "data.num_samples (10000)"),
-        ({"path": "{tmp}/c", "eos_token": 99}, {}, "data.eos_token (99) is not below model.vocab_size (64)"),
+        ({"path": "{tmp}/c", "eos_token": 99}, {}, "data.eos_token (99) is not below the model's vocabulary (64)"),
         ({"kind": "synthetic", "path": "{tmp}/c"}, {}, "data.path is set but data.kind is synthetic"),
         ({"path": ""}, {}, "data.path is required"),
     ],
