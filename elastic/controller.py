@@ -484,7 +484,9 @@ class Controller:
             "rank": failure.rank,
             "node": failure.node,
             "culprit": failure.culprit,
-            "step": failure.step,
+            # Where the job was: the controller hears of completed steps in batches, a rank's own report
+            # (its poll, or the fault's signal) may be ahead of it.
+            "step": max(failure.step, self.max_seen_step, (fault.get("at_step") if fault else None) or 0),
             "fault_id": fault["fault_id"] if fault else None,
             "detected_at": now,
             "detect_s": (now - fault["t_fault"]) if fault else None,

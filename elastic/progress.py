@@ -118,7 +118,9 @@ class ProgressPrinter:
             self._note(f"[warning] {e['kind']}: {e['message']}")
         elif kind == "state" and e["state"] in ("FINISHED", "FAILED"):
             self.close()
-            self._note(f"[{e['state'].lower()}] {e.get('reason') or ''}".rstrip())
+            # The last step line was drawn before the final save committed: say where the run ended.
+            ckpt = f"last checkpoint at {self._ckpt} steps" if self._ckpt is not None else "no checkpoint"
+            self._note(f"[{e['state'].lower()}] {ckpt}" + (f": {e['reason']}" if e.get("reason") else ""))
         elif kind == "job_end":
             self.close()
 

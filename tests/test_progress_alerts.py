@@ -54,7 +54,7 @@ def test_plain_lines_when_not_a_terminal():
     assert "[gen 1] 4 workers, layout {'dp_shard': 4}, start from scratch: start" in lines
     assert "[recover] resume from step 5, lost 0 steps" in lines and "[gen 2] 2 workers, layout {'dp_shard': 4}, start from step 5: start" in lines
     assert "[warning] grad_spike: grad norm 30 at step 10" in lines
-    assert lines[-1] == "[finished]"
+    assert lines[-1] == "[finished] last checkpoint at 5 steps"
 
 
 def test_rich_live_line_on_a_terminal():
@@ -71,7 +71,7 @@ def test_rich_live_line_on_a_terminal():
     last = text[text.rindex("step "):]
     for part in ("step    10/10", "loss 2.0000", "tok/s 5,120", "world 2", "gen 2", "ckpt 5", "failures 1"):
         assert part in last, part
-    assert text.rstrip().endswith("[finished]")
+    assert text.rstrip().endswith("[finished] last checkpoint at 5 steps")
     assert printer._live is None
 
 

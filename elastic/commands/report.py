@@ -185,8 +185,10 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     rolled-back steps times the median step time); resizes (a planned
     resize's restart up to its first step); shutdown (after the end state:
     teardown, report, last metrics); and what is left ("other": scheduling
-    and the waits between steps). They add up to the wall time; overlap only
-    shrinks "other".
+    and the waits between steps). They add up to the wall time, with "other"
+    what is left; where parts overlap (a step's time is its slowest rank's,
+    and ranks in lockstep overlap a little), "other" is 0 and the parts add
+    up to a little more.
     """
     start = next((e for e in events if e["event"] == "job_start"), events[0])
     cluster_s = float(start.get("cluster_s") or 0.0)  # Ray's start, before the first event
