@@ -54,8 +54,10 @@ from pathlib import Path
 
 import ray
 
+import storage
+from elastic.memory import NodeMemory, memory_root
 from elastic.messages import (
-    Command, DumpStacks, RankState, RankStatus, Ready, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
+    Command, DumpStacks, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
 )
 from elastic.sched import batch_this_process
 
@@ -64,6 +66,8 @@ GATHER_S = 0.02
 """Once a rank's step records wake a poll, how long the agent waits for its other ranks' before it answers."""
 COMMAND_TIMEOUT_S = 10.0
 """How long the agent waits for a rank to answer a quick command (take its start, stop after a step)."""
+REPLICA_TIMEOUT_S = 60.0
+"""How long the agent waits for its peer to take one replica of a memory snapshot."""
 
 
 @dataclass
@@ -80,6 +84,7 @@ class _Child:
     records_gen: int = -1
     replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
+    send_lock: threading.Lock = field(default_factory=threading.Lock)  # a command and a replica's acknowledgement never interleave
 
 
 def _describe_exit(code: int | None) -> str:
@@ -90,9 +95,10 @@ def _describe_exit(code: int | None) -> str:
 
 @ray.remote(max_restarts=0, max_concurrency=8)
 class NodeAgent:
-    def __init__(self, cpus_per_rank: float, gpus_per_rank: float, working_dir: str = ""):
+    def __init__(self, cpus_per_rank: float, gpus_per_rank: float, working_dir: str = "", memory: dict | None = None, loopback: bool = False):
         batch_this_process()  # the agent's threads never preempt a rank's training thread (elastic.sched); children inherit it
         self._omp_threads = str(max(1, int(cpus_per_rank)))  # what Ray gives a worker with these CPUs
+        self._loopback = loopback  # an embedded cluster: the ranks' collectives listen on 127.0.0.1 only, like the rest
         self._gpus_per_rank = int(gpus_per_rank)
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         # The job's working directory: where the driver imports the model's builder from. Ranks start in this actor's
@@ -106,6 +112,14 @@ class NodeAgent:
         # The one thread that forks children: it lives as long as the agent, so their parent-death signal
         # fires when the agent ends and not before. A pool of one thread keeps its thread until shutdown.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        # The memory tier (elastic.memory): this node's snapshots, and the peer node that holds their replicas.
+        self._memory = None
+        if memory is not None:
+            node_id = ray.get_runtime_context().get_node_id()
+            self._memory = NodeMemory(memory_root(memory["dir"]) / node_id / memory["job"])
+        self._replicas = bool(memory and memory["replicas"])
+        self._peer = None
+        self._replicator = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replicate")
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self._gpu_ids}
@@ -126,6 +140,9 @@ class NodeAgent:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self._import_dirs, env.get("PYTHONPATH")]))
         if self._gpus_per_rank:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if self._loopback:
+            # gloo binds to the address the host name resolves to and NCCL to the first outward interface: pin both.
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = "lo"
         ours, theirs = Pipe()
         try:
             proc = subprocess.Popen(
@@ -147,12 +164,19 @@ class NodeAgent:
             except (EOFError, OSError):
                 break
             if isinstance(message, RankState):
+                snapshots = [r for r in message.records if r["kind"] == "mem_saved"]
+                records = [r for r in message.records if r["kind"] != "mem_saved"]
                 with self._lock:
                     if message.generation != c.records_gen:
                         c.records, c.records_gen = [], message.generation
-                    c.records.extend(message.records)
+                    c.records.extend(records)
                     c.state = replace(message, records=[])
-                if message.records or message.finished or message.error:
+                for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
+                    if self._peer is not None:
+                        self._replicator.submit(self._replicate, c, message.generation, rec)
+                    else:
+                        self._pass_on(c, message.generation, rec, replicated=False)
+                if records or message.finished or message.error:
                     self._changed.set()
             elif isinstance(message, Reply):
                 c.replies.put(message)
@@ -178,7 +202,8 @@ class NodeAgent:
                 if c.exit is not None:
                     raise OSError("the rank process is gone")
                 request = Request(next(self._request_ids), command)
-                c.conn.send(request)
+                with c.send_lock:
+                    c.conn.send(request)
                 sent.append((c, request.id))
             except (OSError, ValueError):
                 c.lock.release()
@@ -248,6 +273,9 @@ class NodeAgent:
             idle = [c for c in self._children if c.rank is None and c.exit is None and c.ready.is_set()]
             if len(idle) < len(assignments):
                 raise RuntimeError(f"{len(assignments)} ranks to start and {len(idle)} rank processes ready: one ended since prepare")
+            if self._memory is not None:
+                memory = {"memory_dir": self._memory.uri, "memory_replicated": self._peer is not None}
+                assignments = [(rank, {**spec, **memory}) for rank, spec in assignments]
             pairs = list(zip(idle, assignments))
             for c, (rank, spec) in pairs:
                 self._assign(c, rank, spec["generation"])
@@ -264,8 +292,14 @@ class NodeAgent:
                 self._spawn()
 
     @ray.method(enable_task_events=False)  # about one call a second: not worth a record in the GCS each
-    def poll(self, generation: int, wait_s: float) -> list[RankStatus]:
-        """The node's ranks, alive with their state and new records or dead, after waiting up to `wait_s` for news."""
+    def poll(self, generation: int, wait_s: float, memory_floor: tuple[int, int] | None = None) -> list[RankStatus]:
+        """The node's ranks, alive with their state and new records or dead, after waiting up to `wait_s` for news.
+
+        `memory_floor`: (generation, step) of the newest committed (or restored) memory step; every snapshot
+        older than it, or of an earlier generation, held here is dropped.
+        """
+        if memory_floor is not None and self._memory is not None:
+            self._memory.drop_below(*memory_floor)
         def ended() -> bool:
             return any(c.exit or (c.state and (c.state.finished or c.state.error)) for c in self._ranks())
 
@@ -316,3 +350,78 @@ class NodeAgent:
     def shutdown(self) -> None:
         with self._lock:
             self._kill(list(self._children))
+        if self._memory is not None:
+            self._memory.destroy()
+
+    # -- the memory tier ---------------------------------------------------------------
+    def set_peer(self, peer) -> None:
+        """The agent of the node that holds this node's replicas (None: no replicas, a one-node job)."""
+        self._peer = peer if self._replicas else None
+
+    def _replicate(self, c: _Child, generation: int, rec: dict) -> None:
+        """Copy a rank's finished snapshot to the peer node, tell the rank, then pass the record on."""
+        step, rows = rec["step"], rec["rows"]
+        error = None
+        try:
+            data = self._memory.read(step, rows[0]["file"]) if rows else b""
+            ray.get(self._peer.put_replica.remote(step, rec["rank"], generation, data, rows), timeout=REPLICA_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            with c.send_lock:
+                c.conn.send(Replicated(generation, step, ok=error is None))  # the rank waits for this, either way
+        except (OSError, ValueError):
+            pass  # the rank is gone; its replica stays
+        self._pass_on(c, generation, rec, replicated=error is None, error=error)
+
+    def _pass_on(self, c: _Child, generation: int, rec: dict, replicated: bool, error: str | None = None) -> None:
+        out = {k: v for k, v in rec.items() if k != "rows"} | {"replicated": replicated}
+        if error:
+            out["replica_error"] = error
+        with self._lock:
+            if c.records_gen == generation:
+                c.records.append(out)
+        self._changed.set()
+
+    def put_replica(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
+        """Hold another node's rank's snapshot of `step` (its older ones but the newest go)."""
+        self._memory.put(step, rank, generation, data, rows)
+        self._memory.keep_replicas(rank, generation, step)
+
+    def memory_inventory(self) -> dict[tuple[int, int], dict[int, list[dict]]]:
+        """{(generation, step): {rank: rows}} of every complete snapshot file this node holds (its own and replicas)."""
+        return self._memory.inventory() if self._memory is not None else {}
+
+    def memory_verify(self, step: int, rows_by_rank: dict[int, list[dict]]) -> dict[int, str]:
+        """The files of `step` held here that do not match their rows (size, CRC-32), and why."""
+        bad = {rank: self._memory.verify(step, rank, rows) for rank, rows in rows_by_rank.items()}
+        return {rank: why for rank, why in bad.items() if why}
+
+    def memory_read(self, step: int, rank: int, generation: int) -> bytes:
+        rows = self._memory.inventory(generation).get((generation, step), {}).get(rank)
+        return self._memory.read(step, rows[0]["file"]) if rows else b""
+
+    def memory_stage(self, step: int, generation: int, rows_by_rank: dict[int, list[dict]], sources: dict, layout: dict, train_state: dict) -> dict:
+        """Make memory step `step` loadable here: pull the files this node lacks from `sources` ({rank: agent}), then commit it locally.
+
+        The new ranks of this node then load it like any checkpoint
+        (`storage.load_training_state` on this node's memory directory), each
+        reading only its own pieces, every piece's checksum checked.
+        """
+        t0 = time.perf_counter()
+        held = self._memory.inventory(generation).get((generation, step), {})
+        pulled = 0
+        refs = {rank: agent.memory_read.remote(step, rank, generation) for rank, agent in sources.items() if rank not in held}
+        for rank, ref in refs.items():
+            data = ray.get(ref, timeout=REPLICA_TIMEOUT_S)
+            self._memory.put(step, rank, generation, data, rows_by_rank[rank])
+            pulled += len(data)
+        rows = [row for rank in sorted(rows_by_rank) for row in rows_by_rank[rank]]
+        storage.commit(self._memory.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
+        return {"pulled_bytes": pulled, "stage_s": time.perf_counter() - t0, "held_bytes": self._memory.nbytes()}
+
+    def memory_corrupt(self, seed: int) -> int:
+        return self._memory.corrupt(seed) if self._memory is not None else 0
+
+    def memory_bytes(self) -> int:
+        return self._memory.nbytes() if self._memory is not None else 0

@@ -1,4 +1,4 @@
-"""Checkpoint coordination for the controller: commits, their deadlines, retention, and the restore point.
+"""Checkpoint coordination for the controller: commits, their deadlines, retention, the memory tier, and the restore point.
 
 Each rank writes its own shards and reports its index rows; once every rank
 of the current generation has reported a step, the coordinator commits it
@@ -100,6 +100,7 @@ class CheckpointCoordinator:
         self._last_success = clock()
         self._failing_since: float | None = None  # the first failed commit since the last success
         self._last_error = ""
+        self.memory = MemoryTier(cfg, events)
 
     # -- rows in -----------------------------------------------------------------------
     def begin_generation(self) -> None:
@@ -194,12 +195,18 @@ class CheckpointCoordinator:
                 f"last error: {self._last_error}")
 
     # -- restoring -------------------------------------------------------------------------
-    def restore_point(self) -> int | None:
-        """The newest committed checkpoint that verifies; every newer one that does not is a `checkpoint_skipped` event."""
+    def restore_point(self, group=None) -> RestorePoint:
+        """Where a recovery resumes: the newest memory step that survives whole (with the memory tier, asking `group`'s
+        agents), unless the newest durable checkpoint that verifies is newer; every newer one that does not is a
+        `checkpoint_skipped` event."""
         step = storage.latest_valid(self.uri, on_skip=lambda step, reason: self.events.emit("checkpoint_skipped", step=step, reason=str(reason)))
         if self.last_committed is None:
             self.last_committed = step  # a job that resumes starts from a committed checkpoint
-        return step
+        if self.memory.enabled and group is not None:
+            point = self.memory.find(group, step, self.train_state)
+            if point is not None:
+                return point
+        return RestorePoint(step, "none" if step is None else "durable")
 
     def close(self) -> None:
         """Give the commits in flight until their deadlines, then stop (a stuck one is left behind on its daemon thread)."""
@@ -212,3 +219,128 @@ def _wait_future(future: Future, timeout_s: float) -> None:
         future.exception(timeout=timeout_s)
     except TimeoutError:
         pass
+
+
+@dataclass
+class RestorePoint:
+    """Where a (re)start resumes: a step of a tier, or nothing (from scratch)."""
+
+    step: int | None
+    tier: str  # "memory", "durable" or "none"
+    memory: dict | None = None  # a memory restore's plan for the worker group (`MemoryTier.find`)
+
+    @property
+    def position(self) -> int | None:
+        """A memory restore's data position (a durable one's is in its manifest)."""
+        return self.memory["train_state"]["data"]["position"] if self.memory else None
+
+
+class MemoryTier:
+    """The memory tier of one job, on the controller's side: which memory steps are whole, and what a restore gathers.
+
+    Ranks snapshot into their node's memory (`elastic.memory`) and the
+    agents replicate each file to the next node; a rank's record of a
+    snapshot reaches the controller once its replica is in place. A step is
+    committed once every rank of the generation has reported it: the agents
+    then drop older snapshots (`RayWorkerGroup.memory_floor`). A restore does
+    not trust that view, which a lost record can leave behind: it asks the
+    surviving agents what they hold, takes the newest step whose every rank's
+    file survives somewhere (on its own node or as a replica), checks those
+    files' checksums, and plans which node pulls what.
+    """
+
+    def __init__(self, cfg: JobConfig, events: EventLog):
+        self.enabled = cfg.checkpoint.memory
+        self.replicas = cfg.checkpoint.memory_replicas
+        self.events = events
+        self.committed: int | None = None  # of the current generation
+        self.worlds: dict[int, int] = {}  # generation -> world size
+        self.layouts: dict[int, dict] = {}
+        self._saved: dict[int, dict[int, dict]] = {}  # step -> rank -> record
+        self._generation = 0
+        self._replicated = False
+        self._origin: tuple[int, int] | None = None
+
+    def begin_generation(self, generation: int, layout: dict, world_size: int, replicated: bool, origin: tuple[int, int] | None = None) -> None:
+        """A new generation; `origin` is the (generation, step) of the memory snapshot it was restored from, if it was."""
+        self._generation, self._replicated, self._origin = generation, replicated, origin
+        self.worlds[generation], self.layouts[generation] = world_size, layout
+        self._saved.clear()
+        self.committed = None
+
+    def on_saved(self, rank: int, rec: dict) -> int | None:
+        """One rank's snapshot of a step (replicated or not); returns the step when this record commits it."""
+        step = rec["step"]
+        ranks = self._saved.setdefault(step, {})
+        ranks[rank] = rec
+        if len(ranks) < self.worlds[self._generation]:
+            return None
+        del self._saved[step]
+        for older in [s for s in self._saved if s < step]:
+            del self._saved[older]  # a step whose records never all came is overtaken
+        unreplicated = sorted(r for r, rec in ranks.items() if not rec.get("replicated"))
+        self.committed = step
+        self.events.emit(
+            "memory_committed", step=step, generation=self._generation, bytes=sum(r["bytes"] for r in ranks.values()),
+            replicated=self._replicated and not unreplicated, save_s=max(r["save_s"] for r in ranks.values()),
+            **({"unreplicated_ranks": unreplicated} if self._replicated and unreplicated else {}),
+        )
+        return step
+
+    def find(self, group, newer_than: int | None, train_state: Callable[[int], dict]) -> RestorePoint | None:
+        """The newest memory step newer than (or as new as) `newer_than` that survives whole and verifies, with its staging plan."""
+        held: dict[tuple[int, int], dict[int, dict[str, list[dict]]]] = {}  # (generation, step) -> rank -> node -> rows
+        for node, inventory in group.memory_inventory().items():
+            for key, ranks in inventory.items():
+                for rank, rows in ranks.items():
+                    held.setdefault(key, {}).setdefault(rank, {})[node] = rows
+        # Only this generation's snapshots, and the one it was restored from, are on the history the ledger
+        # and the data position follow (a snapshot of a generation that a durable fallback rolled back is not).
+        ours = [key for key in held if key[0] == self._generation or key == self._origin]
+        whole = sorted((key for key in ours if len(held[key]) == self.worlds[key[0]]), key=lambda k: (k[1], k[0]), reverse=True)
+        for generation, step in whole:
+            if newer_than is not None and step < newer_than:
+                return None  # the durable checkpoint is newer
+            holders = self._verified_holders(group, step, held[(generation, step)])
+            if holders is None:
+                continue
+            ranks = held[(generation, step)]
+            return RestorePoint(step, "memory", {
+                "step": step, "generation": generation, "holders": holders,
+                "rows": {rank: next(iter(by_node.values())) for rank, by_node in ranks.items()},
+                "layout": self.layouts[generation], "train_state": train_state(step),
+            })
+        self.events.emit("memory_restore_unavailable", reason=self._why_none(held, ours, whole))
+        return None
+
+    def _why_none(self, held: dict, ours: list, whole: list) -> str:
+        if whole:
+            return f"no memory step survives whole with every file intact (tried steps {[s for _, s in whole]}); using the durable tier"
+        partial = [(s, g) for g, s in ours]
+        if not partial:
+            return "no node holds a memory snapshot; using the durable tier"
+        step, generation = max(partial)
+        missing = sorted(set(range(self.worlds[generation])) - set(held[(generation, step)]))
+        return (f"the newest memory step, {step}, lacks ranks {missing} (lost with their node and the node holding its replicas); "
+                "using the durable tier")
+
+    def _verified_holders(self, group, step: int, ranks: dict[int, dict[str, list[dict]]]) -> dict[int, str] | None:
+        """A node per rank whose copy of the file verifies; None (and an event per bad copy) when some rank has none."""
+        bad = group.memory_verify(step, _by_node(ranks))
+        for (node, rank), why in sorted(bad.items()):
+            self.events.emit("memory_snapshot_skipped", step=step, rank=rank, node=node, reason=why)
+        holders = {}
+        for rank, by_node in ranks.items():
+            good = [node for node in sorted(by_node) if (node, rank) not in bad]
+            if not good:
+                return None
+            holders[rank] = good[0]
+        return holders
+
+
+def _by_node(ranks: dict[int, dict[str, list[dict]]]) -> dict[str, dict[int, list[dict]]]:
+    out: dict[str, dict[int, list[dict]]] = {}
+    for rank, by_node in ranks.items():
+        for node, rows in by_node.items():
+            out.setdefault(node, {})[rank] = rows
+    return out

@@ -5,6 +5,10 @@ slots (it hosts the controller) and simulated nodes, each with room for
 `workers_per_node` workers. Removing one of them is a real node failure:
 its raylet and every worker process on it die.
 
+A simulated node's memory is its own directory under the memory tier's root
+(`elastic.memory`): removing the node deletes it, as losing a machine loses
+its RAM, so that what survives a node loss is what was replicated elsewhere.
+
 A job that fits on one node and removes none runs its workers on the head
 itself, as `ray.init()` on a laptop would: a second node would only add a
 raylet and two agents (about 1.5% of a core on a 2-core machine, in polling
@@ -15,8 +19,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 
 import ray
+
+from elastic.memory import memory_root
 
 from elastic.sched import batch_what_starts_here
 
@@ -95,8 +102,11 @@ def _reload_auth() -> None:
 class EmbeddedCluster:
     """A multi-node Ray cluster inside this machine, on 127.0.0.1 only."""
 
-    def __init__(self, nodes: int, cpus_per_node: float, gpus_per_node: float = 0, *, workers_on_head: bool = False):
-        """`nodes` simulated nodes, or with `workers_on_head` (one node's worth, `nodes` must be 1) the head alone."""
+    def __init__(self, nodes: int, cpus_per_node: float, gpus_per_node: float = 0, *, workers_on_head: bool = False, memory_dir: str = ""):
+        """`nodes` simulated nodes, or with `workers_on_head` (one node's worth, `nodes` must be 1) the head alone.
+
+        `memory_dir`: the memory tier's `checkpoint.memory_dir`, whose node directories die with their nodes.
+        """
         if workers_on_head and nodes != 1:
             raise ValueError(f"workers_on_head holds one node's workers, not {nodes} nodes'")
         _loopback_only()
@@ -105,6 +115,7 @@ class EmbeddedCluster:
         from ray.cluster_utils import Cluster
 
         self.cpus_per_node = cpus_per_node
+        self.memory_root = memory_root(memory_dir)
         self.gpus_per_node = gpus_per_node
         self.nodes = {}  # the removable nodes; the head is never one of them
         with batch_what_starts_here():  # Ray's daemons, the workers they fork and this driver's Ray threads (elastic.sched)
@@ -133,6 +144,7 @@ class EmbeddedCluster:
     def remove_node(self, node_id: str) -> None:
         node = self.nodes.pop(node_id)
         self.cluster.remove_node(node, allow_graceful=True)
+        shutil.rmtree(self.memory_root / node_id, ignore_errors=True)  # the node's memory goes with it
 
     def shutdown(self) -> None:
         ray.shutdown()
@@ -141,7 +153,7 @@ class EmbeddedCluster:
 
 
 def connect(
-    address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float, *, removes_nodes: bool = False
+    address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float, *, removes_nodes: bool = False, memory_dir: str = ""
 ) -> EmbeddedCluster | None:
     """Join `address` (or RAY_ADDRESS, set by `ray job submit`); else start an embedded cluster.
 
@@ -153,4 +165,4 @@ def connect(
         with batch_what_starts_here():  # this driver's Ray threads
             ray.init(address=address, logging_level="ERROR")
         return None
-    return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node, workers_on_head=nodes == 1 and not removes_nodes)
+    return EmbeddedCluster(nodes, cpus_per_node, gpus_per_node, workers_on_head=nodes == 1 and not removes_nodes, memory_dir=memory_dir)

@@ -261,10 +261,29 @@ class CheckpointConfig(_Section):
     max_uncommitted_s: float = Field(
         1800.0, ge=0, description="Fail the job when commits have failed and none has succeeded for this long; 0 never fails for that."
     )
+    memory: bool = Field(
+        False,
+        description="Also keep a snapshot of the training state in node memory every memory_every_steps steps (the memory tier): "
+        "a failure then costs at most about one step instead of the steps since the last durable checkpoint.",
+    )
+    memory_every_steps: int = Field(1, ge=1, description="With memory: snapshot into node memory after every this many steps.")
+    memory_replicas: int = Field(
+        1, ge=0, le=1, description="With memory: copies of each node's snapshot kept on another node (0 or 1); 1 survives the loss of a whole node."
+    )
+    memory_dir: str = Field(
+        "", description="With memory: the node-local directory the snapshots live in, on a RAM-backed filesystem; empty means /dev/shm "
+        "(or the temporary directory where there is none).",
+    )
+    memory_replica_timeout_s: float = Field(
+        30.0, gt=0, le=MAX_SECONDS,
+        description="With memory: how long a rank waits, before its next optimizer step, for its snapshot's replica to be in place; "
+        "after that it trains on and the step has no replica.",
+    )
 
     @model_validator(mode="after")
     def _uri_safe(self) -> "CheckpointConfig":
         _no_control_characters("checkpoint.uri", self.uri)
+        _no_control_characters("checkpoint.memory_dir", self.memory_dir)
         if ".." in Path(re.sub(r"^[a-z0-9]+://", "", self.uri)).parts:
             raise ValueError(f"checkpoint.uri {self.uri!r} must not contain '..'")
         return self

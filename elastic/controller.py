@@ -60,6 +60,7 @@ class _StepTally:
     samples: list[int] = field(default_factory=list)
     digest: int = 0  # sum of the samples' CRCs (elastic.data.batch_digest)
     duration: float = 0.0  # the slowest rank's time for the step, measured on the workers
+    memory_stall: float = 0.0  # the longest any rank waited in it for its memory snapshot (part of `duration`)
 
 
 class Controller:
@@ -96,6 +97,8 @@ class Controller:
         self.generation = 0
         self.layout: Layout | None = None
         self.resume_step: int | None = None
+        self.resume_tier = "durable"  # where resume_step is: "durable", or "memory" (then memory_restore is its plan)
+        self.memory_restore: dict | None = None
         self.completed_step = -1  # last step every data slice reported in this generation
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
@@ -170,7 +173,12 @@ class Controller:
             return
         self.waiting_since = None
         try:
-            position = resume_position(self.cfg.checkpoint.uri, self.resume_step, self.data) if self.resume_step is not None else 0
+            if self.resume_step is None:
+                position = 0
+            elif self.resume_tier == "memory":
+                position = self.memory_restore["train_state"]["data"]["position"]
+            else:
+                position = resume_position(self.cfg.checkpoint.uri, self.resume_step, self.data)
         except ConfigError as exc:  # a checkpoint of other data: resuming would train on the wrong samples
             self.failed_reason = str(exc)
             self._transition(State.FAILED, reason=self.failed_reason)
@@ -180,7 +188,8 @@ class Controller:
         self.layout = decision.layout
         self.events.emit(
             "generation_start", generation=self.generation, world_size=self.layout.world_size,
-            layout=self.layout.as_dict(), resume_step=self.resume_step, data_position=position, available=available, reason=decision.reason,
+            layout=self.layout.as_dict(), resume_step=self.resume_step, resume_tier=self.resume_tier if self.resume_step is not None else None,
+            data_position=position, available=available, reason=decision.reason,
         )
         data = self.data.to_json()
         unfired = [f.as_dict() for f in self.faults if f.id not in self.fired and f.kind != "corrupt"]
@@ -188,11 +197,13 @@ class Controller:
             RankSpec(
                 config=self.cfg.model_dump(mode="json"), layout=self.layout.as_dict(), rank=r, generation=self.generation,
                 resume_step=self.resume_step, data_position=position, data=data, faults=unfired, device=self._device(),
+                resume_tier=self.resume_tier,
             ).__dict__
             for r in range(self.layout.world_size)
         ]
         try:
-            self.group.start(self.layout, specs, with_spares=self.generation == 1)
+            memory_restore = self.memory_restore if self.resume_tier == "memory" else None
+            self.group.start(self.layout, specs, with_spares=self.generation == 1, memory_restore=memory_restore)
         except StartError as exc:
             self.group.shutdown()
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
@@ -206,6 +217,10 @@ class Controller:
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0
         self.checkpoints.begin_generation()
+        nodes = {self.group.node_of(r) for r in range(self.layout.world_size)}
+        origin = (self.memory_restore["generation"], self.resume_step) if self.resume_tier == "memory" else None
+        self.checkpoints.memory.begin_generation(self.generation, self.layout.as_dict(), self.layout.world_size,
+                                                 replicated=bool(self.cfg.checkpoint.memory_replicas) and len(nodes) > 1, origin=origin)
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
         self.grow_seen_at = None
@@ -276,6 +291,12 @@ class Controller:
                 self._on_step_record(rec, now)
             elif rec["kind"] == "saved":
                 self._on_saved(rank, rec)
+            elif rec["kind"] == "mem_saved":
+                if (step := self.checkpoints.memory.on_saved(rank, rec)) is not None:
+                    self.group.memory_floor = (self.generation, step)  # the agents drop older snapshots
+            elif rec["kind"] == "mem_failed":
+                self.events.emit("warning", kind="memory_snapshot_failed", rank=rank, step=rec["step"],
+                                 message=f"rank {rank}'s memory snapshot of step {rec['step']}: {rec['error']}")
             elif rec["kind"] == "eval":
                 self._on_eval_record(rec, now)
             elif rec["kind"] == "ready":
@@ -287,6 +308,7 @@ class Controller:
         step = rec["step"]
         tally = self.tallies.setdefault(step, _StepTally())
         tally.duration = max(tally.duration, rec["t_end"] - rec["t_start"])
+        tally.memory_stall = max(tally.memory_stall, rec.get("memory_stall_s", 0.0))
         if "loss_sum" not in rec:
             return
         tally.loss_sum += rec["loss_sum"]
@@ -309,6 +331,7 @@ class Controller:
         self.events.emit(
             "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration,
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
+            **({"memory_stall_s": tally.memory_stall} if self.cfg.checkpoint.memory else {}),
         )
         if self.open_failure is not None:
             failure = self.open_failure
@@ -376,7 +399,7 @@ class Controller:
 
     def _resize(self) -> None:
         self.group.teardown()
-        self.resume_step = self.resize_target
+        self.resume_step, self.resume_tier = self.resize_target, "durable"
         self.resize_target = None
         self.events.emit("resized", resume_step=self.resume_step, lost_steps=0)
         self._transition(State.SCHEDULING, resume_step=self.resume_step)
@@ -404,7 +427,10 @@ class Controller:
             node = self.group.node_of(fault.rank)
             if fault.kind == "node":
                 fired_at = self.clock()
+                holder = self.group.replica_holder(node) if fault.peer else None
                 self.cluster.remove_node(node)
+                if holder is not None:  # a correlated loss: the node and the one holding its memory replicas
+                    self.cluster.remove_node(holder)
                 if fault.back_s > 0:
                     self.node_returns.append(fired_at + fault.back_s)
             self.fired[fault.id] = fired_at
@@ -427,9 +453,13 @@ class Controller:
             # Armed by an earlier loop, or due now: the failed generation's last records may have arrived with its failure.
             due = self.fired.get(fault.id) == -1.0 or (fault.id not in self.fired and self.completed_step >= fault.step)
             if fault.kind == "corrupt" and due:
-                target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
+                if fault.where == "memory":
+                    target = self.group.memory_corrupt(seed=fault.id)
+                else:
+                    target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
                 self.fired[fault.id] = self.clock()
-                self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None, t_fault=self.fired[fault.id], target=target)
+                self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None,
+                                 t_fault=self.fired[fault.id], target=target, where=fault.where)
 
     def _matching_fault(self) -> dict | None:
         """The most recent injected fault not yet matched to a detection: the one a new failure detects."""
@@ -518,8 +548,13 @@ class Controller:
             self._transition(State.FAILED, reason=decision.reason)
             return
         self._corrupt_newest()
-        resume = self.checkpoints.restore_point()
-        self.resume_step = resume
+        point = self.checkpoints.restore_point(self.group)
+        resume = self.resume_step = point.step
+        self.resume_tier, self.memory_restore = point.tier, point.memory
+        record["restored_from"] = point.tier
+        # What is older than a restored memory step is of no more use; after a durable restore, nothing the
+        # agents hold is of use until the new generation commits (its steps may be lower than the floor was).
+        self.group.memory_floor = (point.memory["generation"], resume) if point.tier == "memory" else None
         start = resume or 0
         done = max(self.completed_step + 1, self.max_seen_step, record["fault_step"] or 0)  # a rank at step k has done k
         record["lost_steps"] = max(0, done - start)
@@ -530,5 +565,6 @@ class Controller:
         for step in [s for s in self.eval_losses if s > start]:  # an evaluation after k steps is part of checkpoint k
             del self.eval_losses[step]
         self.open_failure = record
-        self.events.emit("recovering", resume_step=resume, lost_steps=record["lost_steps"], reason=decision.reason, workers_kept=kept)
+        self.events.emit("recovering", resume_step=resume, restored_from=point.tier, lost_steps=record["lost_steps"],
+                         reason=decision.reason, workers_kept=kept)
         self._transition(State.SCHEDULING, resume_step=resume)

@@ -2,11 +2,13 @@
 
 Kinds and the keys each takes (rank defaults to 0; step is required):
 - `kill:rank=R,step=S`     the worker SIGKILLs its own process at the start of step S
-- `node:rank=R,step=S[,back=T]`  the controller removes the Ray node that hosts rank R when it reaches
-                           step S; with back=T a fresh node joins T seconds later (a spot node returning)
+- `node:rank=R,step=S[,back=T][,peer=1]`  the controller removes the Ray node that hosts rank R when it reaches
+                           step S; with back=T a fresh node joins T seconds later (a spot node returning); with
+                           peer=1 the node that holds its memory-tier replicas goes at the same moment
 - `hang:rank=R,step=S[,where=data|collective]`  the rank blocks in its data loader or in a collective the others never join
 - `kill_during_save:rank=R,step=S`  the rank SIGKILLs itself while writing the first checkpoint at or after step S
-- `corrupt:step=S`         after step S, the newest committed checkpoint gets flipped bytes before the next restore
+- `corrupt:step=S[,where=durable|memory]`  after step S, the newest committed durable checkpoint (or, with
+                           where=memory, every memory-tier snapshot on every node) gets flipped bytes before the next restore
 `random:count=N,seed=K,steps=A-B,ranks=R[,kinds=kill+node+...][,back=T]` expands into N seeded faults
 (1 <= N <= MAX_RANDOM_FAULTS; defaults count=10, seed=0, steps=5-100, ranks=4) at random ranks in
 [0, R) and steps in [A, B), cycling through the kinds; its node faults come back after T (3) seconds.
@@ -30,13 +32,15 @@ from dataclasses import asdict, dataclass
 KINDS = ("kill", "node", "hang", "kill_during_save", "corrupt")
 KEYS = {
     "kill": ("rank", "step"),
-    "node": ("rank", "step", "back"),
+    "node": ("rank", "step", "back", "peer"),
     "hang": ("rank", "step", "where"),
     "kill_during_save": ("rank", "step"),
-    "corrupt": ("step",),
+    "corrupt": ("step", "where"),
     "random": ("count", "seed", "steps", "ranks", "kinds", "back"),
 }
 """The keys each kind takes; any other key is refused rather than ignored."""
+WHERE = {"hang": ("data", "collective"), "corrupt": ("durable", "memory")}
+"""The values `where=` takes, by kind; the first is the default."""
 MAX_RANDOM_FAULTS = 1000
 """The most faults one `random:` spec may expand into (more could never fire in a run that ends)."""
 
@@ -59,6 +63,7 @@ class Fault:
     rank: int = 0
     where: str = "data"
     back_s: float = 0.0
+    peer: bool = False  # a node fault that also removes the node holding its memory replicas
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,11 +133,15 @@ def _parse_one(spec: str, next_id: int) -> list[Fault]:
     params = _params(spec, kind, rest)
     if kind == "random":
         return _random_faults(params, spec, next_id)
-    where = params.get("where", "data")
-    if where not in ("data", "collective"):
-        raise FaultSpecError(f"{spec!r}: where must be data or collective, got {where!r}")
+    choices = WHERE.get(kind, ("data",))
+    where = params.get("where", choices[0])
+    if where not in choices:
+        raise FaultSpecError(f"{spec!r}: where must be {' or '.join(choices)}, got {where!r}")
+    peer = _int(spec, params, "peer", 0, 0)
+    if peer > 1:
+        raise FaultSpecError(f"{spec!r}: peer must be 0 or 1, got {peer}")
     return [Fault(id=next_id, kind=kind, step=_int(spec, params, "step", None, 0), rank=_int(spec, params, "rank", 0, 0),
-                  where=where, back_s=_seconds(spec, params, 0.0))]
+                  where=where, back_s=_seconds(spec, params, 0.0), peer=bool(peer))]
 
 
 def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Fault]:
@@ -157,11 +166,16 @@ def _random_faults(params: dict[str, str], spec: str, next_id: int) -> list[Faul
     rng.shuffle(order)
     return [
         Fault(
-            id=next_id + i, kind=kind, step=step, rank=rng.randrange(ranks), where=rng.choice(("data", "collective")),
+            id=next_id + i, kind=kind, step=step, rank=rng.randrange(ranks), where=_random_where(kind, rng.choice(("data", "collective"))),
             back_s=back_s if kind == "node" else 0.0,
         )
         for i, (kind, step) in enumerate(zip(order, steps))
     ]
+
+
+def _random_where(kind: str, drawn: str) -> str:
+    """A random fault's `where`: the hang's draw; a corrupt fault's is the durable tier (the one every job has)."""
+    return "durable" if kind == "corrupt" else drawn
 
 
 def parse_faults(specs: list[str], *, first_id: int = 0, steps: int | None = None, max_world: int | None = None) -> list[Fault]:

@@ -97,7 +97,8 @@ def _run_claimed(cfg: JobConfig, faults: list, data: DataInfo, claim: rundir.Run
     nodes = math.ceil(s.num_workers / per_node)
     removes_nodes = any(f.kind == "node" for f in faults)
     t_start = time.time()
-    cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes)
+    cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes,
+                      memory_dir=cfg.checkpoint.memory_dir)
     cluster_s = time.time() - t_start
     if removes_nodes and cluster is None:
         raise ConfigError("node faults remove Ray nodes: they need the embedded cluster, not a real one")

@@ -4,7 +4,8 @@ Agent → rank, over the pipe between them: a `Request` carries one command
 (`Start`, `StopAfter`, `DumpStacks`, `Reset`) and an id; the rank answers
 each with a `Reply` of the same id. The agent has at most one command out per
 rank and drops a reply whose id is not the one it waits for, so an answer
-that comes after its deadline is never taken for the next command's.
+that comes after its deadline is never taken for the next command's. Unasked,
+`Replicated` acknowledges a memory snapshot in place on another node.
 
 Rank → agent, unasked: `Ready` once it has imported what a generation needs
 (or `StartFailed`), and its `RankState` whenever it has news.
@@ -63,6 +64,18 @@ Command = Start | StopAfter | DumpStacks | Reset
 class Request:
     id: int
     command: Command
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """The agent is done with the rank's memory snapshot of `step` (of `generation`): it may train on.
+
+    `ok`: the replica is in place on another node (False: the copy failed, and the step has none).
+    """
+
+    generation: int
+    step: int
+    ok: bool = True
 
 
 # -- rank -> agent ---------------------------------------------------------------------------

@@ -107,7 +107,10 @@ class ProgressPrinter:
             detect = f" in {e['detect_s']:.3f}s" if e.get("detect_s") is not None else ""
             self._note(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
         elif kind == "recovering":
-            self._note(f"[recover] {_starting_from(e['resume_step']).replace('start', 'resume', 1)}, lost {e['lost_steps']} steps")
+            tier = f" ({e['restored_from']} tier)" if e.get("restored_from") in ("memory", "durable") else ""
+            self._note(f"[recover] {_starting_from(e['resume_step']).replace('start', 'resume', 1)}{tier}, lost {e['lost_steps']} steps")
+        elif kind in ("memory_restore_unavailable", "memory_snapshot_skipped"):
+            self._note(f"[memory] {e['reason']}" + (f" (step {e['step']}, rank {e['rank']})" if "rank" in e else ""))
         elif kind == "checkpoint_skipped":
             self._note(f"[checkpoint] skipped step {e['step']}: {e['reason']}")
         elif kind == "waiting_for_workers":

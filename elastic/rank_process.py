@@ -41,7 +41,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from elastic.messages import DumpStacks, RankState, Ready, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
+from elastic.messages import DumpStacks, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
 
 REPORT_EVERY_S = 1.0
 """The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
@@ -86,6 +86,13 @@ class RankRuntime:
         self._thread.start()
         self._wake.set()
 
+    def replicated(self, message: Replicated) -> None:
+        """The agent's acknowledgement of a memory snapshot's replica: the loop may step past it."""
+        with self._lock:
+            control = self._control if message.generation == self._generation else None
+        if control is not None:
+            control.replicated.ack(message.step)
+
     def stop_after(self, command: StopAfter) -> None:
         if self._control is not None:
             self._control.stop_at = command.step
@@ -115,6 +122,8 @@ class RankRuntime:
             self._control.stop.set()
         if self._thread is not None:
             self._thread.join(command.grace_s)
+            if self._thread.is_alive() and _abort_nccl():
+                self._thread.join(command.grace_s)  # its collective now fails instead of waiting for a dead peer
             if self._thread.is_alive():
                 return False
         if dist.is_initialized():
@@ -179,6 +188,20 @@ class RankRuntime:
             self._send(state)
 
 
+def _abort_nccl() -> bool:
+    """Abort this process's NCCL communicators, so that a training thread blocked in a collective with a dead peer
+    returns (with an error) and the process can be reset and kept instead of killed; False when there is nothing to abort.
+
+    gloo needs none of this: its collectives fail within moments when a peer's connection closes.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return False
+    dist.distributed_c10d._abort_process_group()
+    return True
+
+
 def _serve(conn: Connection) -> None:
     send_lock = threading.Lock()
 
@@ -190,9 +213,12 @@ def _serve(conn: Connection) -> None:
     send(Ready(os.getpid()))
     while True:
         try:
-            request: Request = conn.recv()
+            request: Request | Replicated = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the agent is gone: so is this rank
+        if isinstance(request, Replicated):  # unasked: no reply
+            runtime.replicated(request)
+            continue
         try:
             reply = Reply(request.id, runtime.serve(request.command))
         except Exception:  # noqa: BLE001 - answered, so the agent is never left waiting

@@ -62,8 +62,26 @@ def build_report(ctrl, attempt: int = 1) -> dict:
         "last_committed_step": ctrl.last_committed,
         "checkpoint_stall_s": sum(e.get("stall_s") or 0.0 for e in ctrl.events.of("checkpoint_committed")),
         "checkpoint_commit_s": sum(e.get("commit_s") or 0.0 for e in ctrl.events.of("checkpoint_committed")),
+        "memory_tier": memory_tier(cfg.checkpoint.memory, cfg.checkpoint.memory_replicas, ctrl.events.events),
         "wall_s": wall,
         "goodput": kept_time / wall if wall > 0 else 0.0,
+    }
+
+
+def memory_tier(enabled: bool, replicas: int, events: list[dict]) -> dict | None:
+    """What the memory tier did (None when it is off): snapshots committed, the newest, what waiting for them cost
+    the ranks (inside their step times), the state's size, and the most the nodes held for it together."""
+    if not enabled:
+        return None
+    committed = [e for e in events if e["event"] == "memory_committed"]
+    state_bytes = committed[-1]["bytes"] if committed else 0
+    return {
+        "snapshots_committed": len(committed),
+        "last_committed_step": committed[-1]["step"] if committed else None,
+        "stall_s": sum(e.get("memory_stall_s") or 0.0 for e in events if e["event"] == "step"),
+        "state_bytes": state_bytes,
+        "held_bytes_bound": state_bytes * (1 + replicas) * 2,
+        "restores": sum(e["event"] == "recovering" and e.get("restored_from") == "memory" for e in events),
     }
 
 

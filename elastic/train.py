@@ -18,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,8 @@ from elastic.config import JobConfig
 from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_datasets
 from elastic.faults import Fault
 from elastic.layout import Layout
+from elastic.memory import NodeMemory
+from storage.state import SnapshotPool
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize
 from elastic.schedule import lr_at
 from strategies import clip_grad_norm
@@ -72,12 +76,33 @@ class Progress:
         return out
 
 
+class Acks:
+    """The newest memory step whose replica is in place on another node, as the node agent acknowledges it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.step = -1
+
+    def ack(self, step: int) -> None:
+        with self._cond:
+            self.step = max(self.step, step)
+            self._cond.notify_all()
+
+    def wait(self, step: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.step >= step, timeout_s)
+
+
 @dataclass
 class Control:
-    """What the controller can ask of a running loop: stop now, or stop after a given step (a planned resize)."""
+    """What the controller can ask of a running loop: stop now, or stop after a given step (a planned resize).
+
+    `replicated` carries the agent's acknowledgements of memory snapshots replicated to another node.
+    """
 
     stop: threading.Event = field(default_factory=threading.Event)
     stop_at: int | None = None
+    replicated: Acks = field(default_factory=Acks)
 
 
 @dataclass
@@ -95,6 +120,12 @@ class RankSpec:
     """The driver's `DataInfo` as JSON (None: this rank resolves the data itself)."""
     faults: list[dict] = field(default_factory=list)
     device: str = "cpu"
+    resume_tier: str = "durable"
+    """Where `resume_step` is: "durable" (checkpoint.uri) or "memory" (this node's memory directory, staged by its agent)."""
+    memory_dir: str = ""
+    """This node's memory-tier directory (set by the node agent when checkpoint.memory is on)."""
+    memory_replicated: bool = False
+    """Whether the agent replicates this rank's memory snapshots to another node (and acknowledges each)."""
 
 
 def _fault_signal(store, fault: Fault, step: int) -> None:
@@ -124,6 +155,11 @@ class Trainer:
         self._pending = None  # the Future of the save in flight
         self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
+        self.memory = NodeMemory(spec.memory_dir) if self.cfg.checkpoint.memory and spec.memory_dir else None
+        self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer") if self.memory else None
+        self._memory_buffers = SnapshotPool()
+        self._memory_pending = None  # (step, Future) of the memory snapshot in flight
+        self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
         self.device = torch.device(spec.device)
         _, model_spec = build_model(self.cfg.model)
         info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
@@ -143,7 +179,8 @@ class Trainer:
             initialize(self.pm, whole, cfg)
             self.start_step = 0
         else:
-            storage.load_training_state(cfg.checkpoint.uri, self.spec.resume_step, self.pm.model_parts, self.optimizer)
+            uri = self.spec.memory_dir if self.spec.resume_tier == "memory" else cfg.checkpoint.uri
+            storage.load_training_state(uri, self.spec.resume_step, self.pm.model_parts, self.optimizer)
             self.start_step = self.spec.resume_step
 
     # -- faults --------------------------------------------------------------------
@@ -185,6 +222,8 @@ class Trainer:
             return self._run()
         finally:
             self.writer.close()
+            if self._memory_pool is not None:
+                self._memory_pool.shutdown(wait=True)  # a memory snapshot in flight ends in this generation's files
 
     def _run(self) -> bool:
         self.build()
@@ -208,6 +247,9 @@ class Trainer:
             self.progress.enter("forward_backward", step)
             loss_sum = self.pm.forward_backward(inputs, labels, scale)
             self.progress.enter("optimizer", step)
+            # Before the all-reduce every rank joins: no rank starts its next memory snapshot (dropping its
+            # older one) until every rank's last one is whole (elastic.memory).
+            self._memory_settled()
             grad_norm = clip_grad_norm(self.pm, t.grad_clip)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
@@ -215,6 +257,8 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             record = {"step": step, "t_start": t0, "grad_norm": float(grad_norm)}
+            if self.memory is not None:
+                record["memory_stall_s"], self._memory_stall = self._memory_stall, 0.0
             if reporter:
                 record.update(loss_sum=float(loss_sum), samples=indices, data_digest=digest)
             record["t_end"] = time.time()
@@ -223,6 +267,8 @@ class Trainer:
             if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                 self.evaluate(done, reporter, dp_rank)
             stop_here = self.control.stop_at is not None and done >= self.control.stop_at
+            if self.memory is not None and done % cfg.checkpoint.memory_every_steps == 0 and done < t.steps and not stop_here:
+                self.memory_save(done)
             if done % cfg.checkpoint.every_steps == 0 or done == t.steps or stop_here:
                 # The last save of a run (or before a planned resize) is synchronous: nothing may be lost.
                 self.save(done, background=cfg.checkpoint.async_save and done != t.steps and not stop_here)
@@ -230,6 +276,7 @@ class Trainer:
                 self.progress.record("paused", step=done)
                 return False
         self._wait_for_writer()
+        self._memory_settled()
         self.progress.enter("done", t.steps)
         return True
 
@@ -289,19 +336,66 @@ class Trainer:
         self.progress.enter("save", step)
         t0 = time.time()
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
-        kill = self._faults_at(step, ("kill_during_save",))
-        if kill:
-            # Die part-way through writing, before this rank's rows can reach the coordinator.
-            snap = storage.snapshot(tensors)
-            threading.Thread(
-                target=storage.write_shards, args=(self.cfg.checkpoint.uri, step, self.rank, snap),
-                kwargs={"generation": self.spec.generation}, daemon=True,
-            ).start()
-            time.sleep(0.002 * (1 + kill[0].id % 4))
-            _fault_signal(self.fault_store, kill[0], step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._die_if_due(self.cfg.checkpoint.uri, step, tensors)
         self._wait_for_writer()
         self._pending = self.writer.submit(self.cfg.checkpoint.uri, step, self.rank, tensors, generation=self.spec.generation)
         self._unsnapped = (step, t0, background)
         if not background:
             self._wait_for_writer()
+
+    def _die_if_due(self, uri: str, step: int, tensors: dict) -> None:
+        """A `kill_during_save` fault due at this save (durable or memory): die part-way through writing it."""
+        kill = self._faults_at(step, ("kill_during_save",))
+        if not kill:
+            return
+        snap = storage.snapshot(tensors)
+        threading.Thread(
+            target=storage.write_shards, args=(uri, step, self.rank, snap), kwargs={"generation": self.spec.generation}, daemon=True,
+        ).start()
+        time.sleep(0.002 * (1 + kill[0].id % 4))
+        _fault_signal(self.fault_store, kill[0], step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # -- the memory tier -------------------------------------------------------------
+    def memory_save(self, step: int) -> None:
+        """Snapshot this rank's shards after `step` steps into node memory, overlapping the next forward and backward.
+
+        On the CPU the write into memory is itself the copy: it reads the live
+        tensors, which nothing changes before `_memory_settled` (the next
+        optimizer step waits for it). On a GPU the pieces are first copied to
+        pinned host memory on a side stream.
+        """
+        self._memory_settled()
+        self.memory.keep_two(self.rank, self.spec.generation, step)
+        tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
+        self._die_if_due(self.memory.uri, step, tensors)
+        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors))
+
+    def _write_memory(self, step: int, tensors: dict) -> None:
+        """On the memory writer's thread: write the pieces, mark them complete, tell the agent (which replicates them)."""
+        t0 = time.time()
+        data = storage.snapshot(tensors, pool=self._memory_buffers) if self.device.type == "cuda" else tensors
+        rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation)
+        self.memory.finish(step, self.rank, self.spec.generation, rows)
+        self.progress.record("mem_saved", step=step, rank=self.rank, rows=rows, bytes=rows[0]["file_bytes"] if rows else 0, save_s=time.time() - t0)
+
+    def _memory_settled(self) -> None:
+        """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.
+
+        A snapshot that failed, or whose replica did not come in time, is
+        reported and training goes on: the memory tier loses that step, the
+        durable tier is untouched.
+        """
+        if self._memory_pending is None:
+            return
+        (step, future), self._memory_pending = self._memory_pending, None
+        t0 = time.time()
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - the memory tier misses a step; training goes on
+            self.progress.record("mem_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+            return
+        if self.spec.memory_replicated and not self.control.replicated.wait(step, self.cfg.checkpoint.memory_replica_timeout_s):
+            self.progress.record("mem_failed", step=step, error=f"no replica within checkpoint.memory_replica_timeout_s="
+                                 f"{self.cfg.checkpoint.memory_replica_timeout_s}s")
+        self._memory_stall += time.time() - t0

@@ -15,6 +15,7 @@ an agent that dies or does not answer while a generation starts is a
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -74,6 +75,8 @@ class RayWorkerGroup:
     excluded_nodes: set[str] = field(default_factory=set)
     agents: dict[str, object] = field(default_factory=dict)  # by node; each keeps its warm rank processes
     generation: int = -1
+    memory_floor: tuple[int, int] | None = None  # (generation, step) of the newest committed memory step: agents drop older snapshots
+    memory_job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this job's memory directories
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
 
     # -- capacity ----------------------------------------------------------------
@@ -97,12 +100,13 @@ class RayWorkerGroup:
     def _agent(self, node_id: str, slots: int):
         """The node's agent, created on first use with the node's whole worker capacity reserved."""
         if node_id not in self.agents:
-            s = self.cfg.scaling
+            s, c = self.cfg.scaling, self.cfg.checkpoint
+            memory = {"dir": c.memory_dir, "job": self.memory_job, "replicas": c.memory_replicas} if c.memory else None
             self.agents[node_id] = NodeAgent.options(
                 num_cpus=slots * s.cpus_per_worker,
                 num_gpus=slots * s.gpus_per_worker,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(s.cpus_per_worker, s.gpus_per_worker, working_dir())
+            ).remote(s.cpus_per_worker, s.gpus_per_worker, working_dir(), memory, self.store_host == "127.0.0.1")
         return self.agents[node_id]
 
     def _by_node(self) -> dict[str, list[Member]]:
@@ -111,13 +115,18 @@ class RayWorkerGroup:
             out.setdefault(m.node_id, []).append(m)
         return out
 
-    def start(self, layout: Layout, specs: list[dict], *, with_spares: bool = False) -> None:
+    def start(self, layout: Layout, specs: list[dict], *, with_spares: bool = False, memory_restore: dict | None = None) -> None:
         """Place the ranks node by node, have each node's agent bring up its rank processes, then start training.
 
         `with_spares` also starts the warm spare of each node that gets ranks
         alongside them, so that its start-up overlaps the ranks' own instead
         of taking CPU from training later (the job's first start, which no
         failure is waiting on; `replenish` then covers the other nodes).
+        `memory_restore` (`elastic.checkpointing.MemoryTier.find`'s plan): the
+        memory step the ranks resume from, which every node that gets ranks
+        first gathers from the nodes that hold its files (while its rank
+        processes come up). With the memory tier on, each node that gets ranks
+        replicates to the next one (a ring).
         """
         nodes = self.node_slots()
         placement: list[str] = []
@@ -135,10 +144,9 @@ class RayWorkerGroup:
         agents = {node_id: self._agent(node_id, slots) for node_id, slots in nodes if node_id in by_node or node_id in self.agents}
         # A rank process that cannot start (import error, no such device) fails here with its own error; the
         # controller then shuts the group down (every agent) and asks its failure policy.
-        _, failed = self._gather(
-            {n: a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()},
-            timeout + 10,
-        )
+        calls = {n: a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()}
+        calls |= self._memory_calls(by_node, agents, memory_restore)
+        _, failed = self._gather(calls, timeout + 10)
         if failed:
             raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {failed}")
         store_timeout = max(60.0, timeout)
@@ -151,6 +159,54 @@ class RayWorkerGroup:
         for node_pids in pids.values():
             for m in self.members:
                 m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown
+
+    def _memory_calls(self, by_node: dict[str, list[Member]], agents: dict, restore: dict | None) -> dict[str, object]:
+        """The memory tier's part of a start: each node's replica peer (the next node with ranks), and the restore's staging."""
+        if not self.cfg.checkpoint.memory:
+            return {}
+        ring = sorted(by_node)
+        calls = {f"peer {n}": agents[n].set_peer.remote(agents[ring[(i + 1) % len(ring)]] if len(ring) > 1 else None)
+                 for i, n in enumerate(ring)}
+        if restore is not None:
+            gone = sorted({node for node in restore["holders"].values() if node not in self.agents})
+            if gone:
+                raise StartError(f"the memory snapshot of step {restore['step']} is held on nodes that are gone: {gone}")
+            sources = {rank: self.agents[node] for rank, node in restore["holders"].items()}
+            for n in ring:
+                calls[f"stage {n}"] = agents[n].memory_stage.remote(
+                    restore["step"], restore["generation"], restore["rows"], sources, restore["layout"], restore["train_state"])
+        return calls
+
+    def memory_inventory(self) -> dict[str, dict]:
+        """The memory inventory ({(generation, step): {rank: rows}}) of each usable node's agent; a node that is gone, or
+        whose agent does not answer, holds nothing (a lost node's agent can outlive its node for a moment)."""
+        usable = dict(self.node_slots())
+        answers, _ = self._gather({n: a.memory_inventory.remote() for n, a in self.agents.items() if n in usable}, CALL_TIMEOUT_S)
+        return answers
+
+    def memory_verify(self, step: int, files: dict[str, dict[int, list[dict]]]) -> dict[tuple[str, int], str]:
+        """Check the files of `step` on the nodes that hold them ({node: {rank: rows}}); {(node, rank): why} for each that fails."""
+        answers, failed = self._gather({n: self.agents[n].memory_verify.remote(step, rows) for n, rows in files.items()}, CALL_TIMEOUT_S)
+        bad = {(n, rank): why for n, per_rank in answers.items() for rank, why in per_rank.items()}
+        bad |= {(n, rank): f"its node did not answer: {why}" for n, why in failed.items() for rank in files[n]}
+        return bad
+
+    def replica_holder(self, node_id: str) -> str | None:
+        """The node that holds `node_id`'s memory replicas this generation (the next node with ranks), or None."""
+        ring = sorted(self._by_node())
+        if not self.cfg.checkpoint.memory or not self.cfg.checkpoint.memory_replicas or len(ring) < 2 or node_id not in ring:
+            return None
+        return ring[(ring.index(node_id) + 1) % len(ring)]
+
+    def memory_corrupt(self, seed: int) -> str:
+        """Flip a byte in every memory snapshot file on every node (fault injection); says how many."""
+        answers, _ = self._gather({n: a.memory_corrupt.remote(seed) for n, a in self.agents.items()}, CALL_TIMEOUT_S)
+        return f"memory: {sum(answers.values())} snapshot files on {len(answers)} nodes"
+
+    def memory_bytes(self) -> int:
+        """What the memory tier holds on all nodes together, replicas included."""
+        answers, _ = self._gather({n: a.memory_bytes.remote() for n, a in self.agents.items()}, CALL_TIMEOUT_S)
+        return sum(answers.values())
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
         """One round of polls; a rank whose process (or whose node's agent) is dead comes back with alive=False.
@@ -165,7 +221,7 @@ class RayWorkerGroup:
         by_node = self._by_node()
         for node_id in by_node:
             if node_id not in self._pending:
-                self._pending[node_id] = self.agents[node_id].poll.remote(self.generation, LONG_POLL_S)
+                self._pending[node_id] = self.agents[node_id].poll.remote(self.generation, LONG_POLL_S, self.memory_floor)
         deadline = time.monotonic() + timeout_s
         results: dict[int, RankStatus] = {}
         waiting = dict(self._pending)

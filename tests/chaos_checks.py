@@ -23,7 +23,11 @@ def check_chaos_run(report: dict, run_dir, ckpt_uri: str, ref_uri: str) -> dict:
     injected = [e for e in events if e["event"] == "fault_injected"]
     by_fault = {f["fault_id"]: f for f in report["failures"] if f["fault_id"] is not None}
     skipped = {e["step"] for e in events if e["event"] == "checkpoint_skipped"}
+    memory_skips = [e for e in events if e["event"] == "memory_snapshot_skipped"]
     for fault in injected:
+        if fault["kind"] == "corrupt" and fault.get("where") == "memory":
+            assert any(e["t"] >= fault["t"] for e in memory_skips), f"corrupted memory snapshots were not detected: {fault}"
+            continue
         if fault["kind"] == "corrupt":
             step = int(re.search(r"step_(\d+)", fault["target"]).group(1))
             assert step in skipped, f"corrupted checkpoint {step} was not detected"
@@ -35,13 +39,15 @@ def check_chaos_run(report: dict, run_dir, ckpt_uri: str, ref_uri: str) -> dict:
         assert failure["node"] and failure["detect_s"] is not None and failure["recover_s"] is not None, failure
         assert failure["detect_s"] < (1.0 if fault["kind"] != "hang" else 30.0), failure
         assert failure["lost_steps"] is not None
+        if failure.get("restored_from") == "memory":
+            assert failure["lost_steps"] <= 1, failure  # the memory tier's promise
     bad: set[int] = set()  # corrupted and not committed again since
     for e in events:
-        if e["event"] == "fault_injected" and e["kind"] == "corrupt":
+        if e["event"] == "fault_injected" and e["kind"] == "corrupt" and e.get("where") != "memory":
             bad.add(int(re.search(r"step_(\d+)", e["target"]).group(1)))
         elif e["event"] == "checkpoint_committed":
             bad.discard(e["step"])
-        elif e["event"] == "generation_start":
+        elif e["event"] == "generation_start" and e.get("resume_tier") != "memory":  # memory restores are checked above
             assert e["resume_step"] not in bad, f"generation {e['generation']} loaded corrupt checkpoint {e['resume_step']}"
     assert report["faults_injected"] == len(injected)
     assert report["failures_detected"] >= len([f for f in injected if f["kind"] != "corrupt"])

@@ -1,5 +1,6 @@
-"""Chaos: many faults of every kind on a simulated multi-node Ray cluster; nothing may be lost.
+"""Chaos: many faults of every kind on a simulated multi-node Ray cluster, with the memory tier on; nothing may be lost.
 
+Every failure restored from memory costs at most one step (`chaos_checks`).
 The short run is in the default suite; the long one (12 seeded random faults) runs with `make chaos`.
 """
 
@@ -23,6 +24,8 @@ def _cfg(tmp_path, name, steps, every):
         "fault.inject": "[]",
         "fault.max_failures": 30,
         "fault.hang_floor_s": 2.0,
+        "checkpoint.memory": "true",
+        "checkpoint.memory_dir": str(tmp_path / "node-memory"),
     }
     return load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])
 
@@ -38,14 +41,17 @@ def _chaos(tmp_path, steps, every, inject):
 def test_chaos_short(tmp_path):
     inject = [
         "kill:rank=1,step=7",
-        "node:rank=3,step=13,back=1",  # shrink to 2 workers, then grow back when the node returns
+        "node:rank=3,step=13,back=3",  # shrink to 2 workers, then grow back when the node returns
         "hang:rank=1,step=25,where=collective",
-        "corrupt:step=26",  # flips the newest checkpoint (24) before the next restore
-        "kill_during_save:rank=0,step=32",
+        "corrupt:step=26",  # flips the newest durable checkpoint (24): found when the next restore looks
+        "corrupt:step=30,where=memory",  # flips every memory snapshot: the next restore falls back to the durable tier
+        "kill_during_save:rank=0,step=32",  # dies writing snapshot 32 (memory first), before the durable save of 32
     ]
     report, result = _chaos(tmp_path, steps=40, every=8, inject=inject)
-    assert sorted(e["kind"] for e in result["injected"]) == ["corrupt", "hang", "kill", "kill_during_save", "node"]
+    assert sorted(e["kind"] for e in result["injected"]) == ["corrupt", "corrupt", "hang", "kill", "kill_during_save", "node"]
     assert report["world_sizes"][-1] == 4 and 2 in report["world_sizes"]  # shrank, then grew back
+    tiers = [f["restored_from"] for f in report["failures"]]
+    assert tiers[:3] == ["memory"] * 3 and tiers[-1] == "durable", tiers  # the last after every snapshot was corrupted
 
 
 @pytest.mark.chaos

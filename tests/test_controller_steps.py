@@ -37,7 +37,7 @@ class ScriptedGroup:
     def capacity(self) -> int:
         return self.cap
 
-    def start(self, layout, specs, *, with_spares: bool = False) -> None:
+    def start(self, layout, specs, *, with_spares: bool = False, memory_restore=None) -> None:
         self.layout, self.gen = layout, specs[0]["generation"]
         self.step = specs[0]["resume_step"] or 0
         info = DataInfo.from_json(specs[0]["data"])
@@ -111,7 +111,8 @@ class Clock:
 
 def _setup(tmp_path, capacity=4, **sets):
     base = {"training.steps": 12, "checkpoint.every_steps": 4, "training.global_batch": 8, "fault.heartbeat_s": 0.001,
-            "checkpoint.uri": str(tmp_path / "ckpt"), "run_root": str(tmp_path), "scaling.wait_for_workers_s": 0, **sets}
+            "checkpoint.uri": str(tmp_path / "ckpt"), "run_root": str(tmp_path), "scaling.wait_for_workers_s": 0,
+            "checkpoint.memory": "false", **sets}  # the scripted ranks write durable checkpoints only
     cfg = load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in base.items()] + ["fault.inject=[]"])
     group = ScriptedGroup(cfg, capacity)
     clock = Clock()

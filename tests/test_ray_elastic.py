@@ -17,6 +17,7 @@ def _cfg(tmp_path, name, **over):
         "training.global_batch": 16,
         "training.micro_batch": 4,
         "fault.inject": "[]",
+        "checkpoint.memory": "false",  # the durable tier alone (tests/test_memory_tier.py has the memory tier)
         **over,
     }
     return load_config("deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])

@@ -57,7 +57,7 @@ def make_run(run_dir: Path, steps: int = 60) -> Path:
     emit("failure_detected", 0.3, kind="node", detected_as="dead", rank=3, node=NODE, culprit=3, step=36, fault_id="f0",
          detect_s=0.3, recover_s=None, lost_steps=None, detail="actor died")
     emit("state", state="RECOVERING", previous="RUNNING", generation=1)
-    emit("recovering", 0.2, resume_step=30, lost_steps=6, reason="shrink to the 2 workers left")
+    emit("recovering", 0.2, resume_step=30, restored_from="durable", lost_steps=6, reason="shrink to the 2 workers left")
     emit("generation_start", 1.5, generation=2, world_size=2, layout=LAYOUT2, resume_step=30, available=2, reason="shrink")
     run_steps(30, 31, 2, 2)
     emit("recovered", failure="node", recover_s=1.8, step=30)
@@ -72,7 +72,7 @@ def make_run(run_dir: Path, steps: int = 60) -> Path:
         "initial_loss": _loss(0) + 0.01, "final_loss": _loss(steps - 1) + 0.02,
         "losses": [_loss(s) for s in range(steps)], "world_sizes": [4, 2], "layouts": [LAYOUT4, LAYOUT2], "generations": 2,
         "failures": [{"kind": "node", "detected_as": "dead", "rank": 3, "node": NODE, "culprit": 3, "step": 36, "fault_id": "f0",
-                      "detect_s": 0.3, "recover_s": 1.8, "lost_steps": 6, "resume_step": 30}],
+                      "detect_s": 0.3, "recover_s": 1.8, "lost_steps": 6, "resume_step": 30, "restored_from": "durable"}],
         "failures_detected": 1, "faults_injected": 1,
         "faults": [{"fault_id": "f0", "kind": "node", "rank": 3, "step": 36, "node": NODE, "t_fault": T0 + 5}],
         "samples": {"expected": steps * 32, "seen_once": steps * 32, "duplicated": 0, "missing": 0},
@@ -107,7 +107,7 @@ def test_table_lists_steps_goodput_failures_and_world_sizes(run_dir: Path, capsy
     assert "4 (dp_shard=4) -> 2 (dp_shard=2)" in out
     header = next(i for i, line in enumerate(lines) if line.startswith("#") and "detect s" in line)
     row = lines[header + 1].split()
-    assert row == ["1", "node", "dead", "3", NODE[:8], "3", "36", "0.300", "1.800", "6", "30"]
+    assert row == ["1", "node", "dead", "3", NODE[:8], "3", "36", "0.300", "1.800", "6", "30", "durable"]
     assert "1 detected, 1 faults injected" in out
     assert "1920 expected: 1920 seen once, 0 duplicated, 0 missing" in out
     assert not list(run_dir.glob("*.png"))

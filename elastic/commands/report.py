@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.errors import UsageError
+from elastic.report import memory_tier
 
 REPORT_FIELDS = ("name", "state", "steps_completed", "steps_planned", "initial_loss", "final_loss", "world_sizes", "layouts",
                  "generations", "failures", "failures_detected", "faults_injected", "samples", "checkpoints_committed",
@@ -97,6 +98,7 @@ def report_from_events(events: list[dict]) -> dict:
     """
     start = next((e for e in events if e["event"] == "job_start"), {})
     config = start.get("config") or {}
+    checkpoint = config.get("checkpoint") or {}
     kept: dict[int, dict] = {}
     for e in events:
         if e["event"] == "step":
@@ -107,8 +109,9 @@ def report_from_events(events: list[dict]) -> dict:
     failures = []
     for i, e in enumerate(e for e in events if e["event"] == "failure_detected"):
         fields = {k: e.get(k) for k in ("kind", "detected_as", "rank", "node", "culprit", "step", "fault_id", "detect_s")}
-        fields.update(recover_s=None, lost_steps=recovering[i].get("lost_steps") if i < len(recovering) else None,
-                      resume_step=recovering[i].get("resume_step") if i < len(recovering) else None, error=e.get("detail", ""))
+        recovery = recovering[i] if i < len(recovering) else {}
+        fields.update(recover_s=None, lost_steps=recovery.get("lost_steps"), resume_step=recovery.get("resume_step"),
+                      restored_from=recovery.get("restored_from"), error=e.get("detail", ""))
         failures.append(fields)
     for f, e in zip(failures, (e for e in events if e["event"] == "recovered")):
         f["recover_s"] = e.get("recover_s")
@@ -138,6 +141,7 @@ def report_from_events(events: list[dict]) -> dict:
         "last_committed_step": committed[-1] if committed else None,
         "checkpoint_stall_s": sum(e.get("stall_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
         "checkpoint_commit_s": sum(e.get("commit_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
+        "memory_tier": memory_tier(bool(checkpoint.get("memory")), int(checkpoint.get("memory_replicas", 1)), events),
         "wall_s": wall,
         "goodput": sum(kept[s]["step_s"] for s in steps) / wall if wall > 0 else 0.0,
     }
@@ -324,10 +328,19 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
                          f"{len(skipped)} skipped")),
         ("checkpoint time", (f"ranks stalled {_num(report.get('checkpoint_stall_s'))} s for their saves; "
                              f"commits took {_num(report.get('checkpoint_commit_s'))} s in the background")),
+        *([("memory tier", _memory_line(report["memory_tier"]))] if report.get("memory_tier") else []),
     ]
 
 
-FAILURE_COLUMNS = ("#", "kind", "detected as", "rank", "node", "culprit", "step", "detect s", "recover s", "lost steps", "resume step")
+def _memory_line(m: dict) -> str:
+    return (f"{m['snapshots_committed']} snapshots committed (last step {_num(m['last_committed_step'], '{}')}), "
+            f"{m['restores']} restores from memory; ranks waited {_num(m['stall_s'])} s for them (inside step times); "
+            f"state {m['state_bytes'] / 2**20:.1f} MiB, nodes hold at most {m['held_bytes_bound'] / 2**20:.1f} MiB")
+
+
+
+FAILURE_COLUMNS = ("#", "kind", "detected as", "rank", "node", "culprit", "step", "detect s", "recover s", "lost steps", "resume step",
+                   "from")
 
 
 def failure_rows(report: dict) -> list[list[str]]:
@@ -338,7 +351,7 @@ def failure_rows(report: dict) -> list[list[str]]:
         rows.append([str(i), str(f.get("kind")), str(f.get("detected_as") or "-"), _num(f.get("rank"), "{}"),
                      node[:8] if isinstance(node, str) else "-", _num(f.get("culprit"), "{}"), _num(f.get("step"), "{}"),
                      _num(f.get("detect_s"), "{:.3f}"), _num(f.get("recover_s"), "{:.3f}"), _num(f.get("lost_steps"), "{}"),
-                     _num(f.get("resume_step"), "{}")])
+                     _num(f.get("resume_step"), "{}"), str(f.get("restored_from") or "-")])
     return rows
 
 
@@ -375,7 +388,7 @@ def print_rich(report: dict, timeline: RunTimeline) -> None:
     console.print(summary)
     failures = failure_rows(report)
     if failures:
-        table = Table(title="failures")
+        table = Table(title="failures", padding=(0, 0), collapse_padding=True)
         for col in FAILURE_COLUMNS:
             table.add_column(col, justify="left" if col in ("kind", "detected as", "node") else "right")
         for row in failures:

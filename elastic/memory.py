@@ -1,0 +1,202 @@
+"""The memory tier's node side: snapshots of the training state in node memory, in the checkpoint format.
+
+Every rank writes its pieces of a memory step with `storage.write_shards`
+into its node's memory directory (a RAM-backed filesystem, `/dev/shm` by
+default), then its index rows next to them; the rows file is that rank's
+commit of the step (a data file without one is a write that did not finish).
+The node agent replicates each finished file to one other node and, after a
+failure, gathers the files of the restored step from wherever they survive,
+writes the step's index and manifest with `storage.commit`, and the new ranks
+load it with `storage.load_training_state`, as from any checkpoint: the same
+pieces in global coordinates, the same checksums, any layout.
+
+On disk, below the node's directory (`<root>/<node id>/<job>`):
+
+    step_NNNNNNNN/data/gGGGGGG-rank_RRRRR.bin    a rank's pieces (its own, or a replica of another node's rank)
+    step_NNNNNNNN/rows/gGGGGGG-rank_RRRRR.json   its index rows: the file is complete
+    step_NNNNNNNN/index.arrow, manifest.json     once staged for a restore
+
+What a node holds dies with the node: nothing outside the node reads its
+directory, only its agent does (on a simulated node of the embedded cluster
+too, where `elastic.cluster` deletes the directory when it removes the node).
+
+Retention keeps, per rank, the newest step whose snapshot is complete and the
+one being written (`keep_two`): a rank starts writing step s+k only after
+every rank has finished step s (it waits for its own snapshot before the
+gradient-norm all-reduce that every rank joins), so step s is always whole
+somewhere. A node thus holds at most its ranks' state x 2, plus its ring
+predecessor's x 2 as replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from storage.format import CheckpointError, crc32, data_file, parse_step_dir, step_dir
+from storage.fs import Store
+
+_ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
+_READ_BLOCK = 8 << 20
+
+
+def memory_root(memory_dir: str) -> Path:
+    """Where a node keeps the memory tiers of its jobs: `memory_dir`, else /dev/shm (RAM), else the temporary directory."""
+    if memory_dir:
+        base = Path(memory_dir)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = Path("/dev/shm")
+    else:
+        base = Path(tempfile.gettempdir())
+    return base / "elastic-memory"
+
+
+def rows_file(rank: int, generation: int) -> str:
+    return "rows/" + data_file(rank, generation).removeprefix("data/").removesuffix(".bin") + ".json"
+
+
+class NodeMemory:
+    """One job's memory-tier files on one node."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.uri = str(self.path)
+        self.store = Store(self.uri)
+
+    # -- a rank's writes -------------------------------------------------------------
+    def finish(self, step: int, rank: int, generation: int, rows: list[dict]) -> None:
+        """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically)."""
+        self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", json.dumps(rows).encode())
+
+    def keep_two(self, rank: int, generation: int, writing: int) -> None:
+        """Before `rank` writes step `writing`: drop its files but those of its newest complete step before it."""
+        mine = data_file(rank, generation)
+        steps = sorted(s for (_, s), ranks in self._complete(generation).items() if rank in ranks and s < writing)
+        keep = steps[-1:] + [writing]
+        for step in self.steps():
+            if step not in keep:
+                self._remove_file(step, mine, rank, generation)
+
+    # -- what the node holds ------------------------------------------------------------
+    def steps(self) -> list[int]:
+        if not self.path.is_dir():
+            return []
+        return sorted(s for s in (parse_step_dir(p.name) for p in self.path.iterdir()) if s is not None)
+
+    def _complete(self, generation: int | None) -> dict[tuple[int, int], dict[int, Path]]:
+        """{(generation, step): {rank: its rows file}} of the complete files here (of one generation, or all)."""
+        out: dict[tuple[int, int], dict[int, Path]] = {}
+        for step in self.steps():
+            rows = self.path / step_dir(step) / "rows"
+            if not rows.is_dir():
+                continue
+            for p in rows.iterdir():
+                m = _ROWS.fullmatch(p.name)
+                if m and (generation is None or int(m["generation"]) == generation):
+                    out.setdefault((int(m["generation"]), step), {})[int(m["rank"])] = p
+        return out
+
+    def inventory(self, generation: int | None = None) -> dict[tuple[int, int], dict[int, list[dict]]]:
+        """{(generation, step): {rank: index rows}} of every complete file held here (own ranks' and replicas)."""
+        out: dict[tuple[int, int], dict[int, list[dict]]] = {}
+        for key, ranks in self._complete(generation).items():
+            for rank, p in ranks.items():
+                try:
+                    out.setdefault(key, {})[rank] = json.loads(p.read_bytes())
+                except (OSError, ValueError):
+                    continue  # unreadable: as if it were not here
+        return out
+
+    def nbytes(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.path):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass
+        return total
+
+    # -- replicas and restores ------------------------------------------------------------
+    def read(self, step: int, rel: str) -> bytes:
+        return self.store.read(f"{step_dir(step)}/{rel}")
+
+    def put(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
+        """Hold a copy of another node's file (a replica, or a file gathered for a restore), then its rows."""
+        if rows:
+            self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", [data], durable=False)
+        self.finish(step, rank, generation, rows)
+
+    def keep_replicas(self, rank: int, generation: int, newest: int) -> None:
+        """A replica of `rank`'s step `newest` arrived: drop its older replicas but the newest complete one before it."""
+        self.keep_two(rank, generation, newest)
+
+    def verify(self, step: int, rank: int, rows: list[dict]) -> str | None:
+        """Why `rank`'s file of `step` does not match its rows (size, CRC-32 of the whole file); None when it does."""
+        if not rows:
+            return None  # a rank with nothing to store wrote no data file
+        rel = rows[0]["file"]
+        where = self.store.describe(f"{step_dir(step)}/{rel}")
+        try:
+            data = self.read(step, rel)
+        except (OSError, CheckpointError) as exc:
+            return f"{where}: {exc}"
+        want_bytes, want_crc = rows[0]["file_bytes"], rows[0]["file_crc32"]
+        if len(data) != want_bytes:
+            return f"{where} has {len(data)} bytes, its rows say {want_bytes}"
+        crc = 0
+        view = memoryview(data)
+        for i in range(0, len(view), _READ_BLOCK):
+            crc = crc32(view[i : i + _READ_BLOCK], crc)
+        if crc != want_crc:
+            return f"{where}: CRC-32 mismatch (the snapshot is corrupt)"
+        return None
+
+    def corrupt(self, seed: int) -> int:
+        """Flip one byte of every complete data file held here (fault injection: `corrupt:where=memory`); returns how many."""
+        rng = random.Random(seed)
+        flipped = 0
+        for (_, step), ranks in self.inventory().items():
+            for rows in ranks.values():
+                if not rows:
+                    continue
+                path = self.path / step_dir(step) / rows[0]["file"]
+                with open(path, "r+b") as f:
+                    f.seek(rng.randrange(rows[0]["file_bytes"]))
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                flipped += 1
+        return flipped
+
+    def drop_below(self, generation: int, step: int) -> None:
+        """Forget every snapshot older than `step` of `generation`, and every one of an earlier generation.
+
+        (`generation`, `step`) is committed, or what the running generation
+        was restored from: nothing before it can be restored any more.
+        """
+        for key, ranks in self._complete(None).items():
+            if key < (generation, step):
+                for rank in ranks:
+                    self._remove_file(key[1], data_file(rank, key[0]), rank, key[0])
+        for s in self.steps():
+            if s < step and not (self.path / step_dir(s) / "rows").is_dir():
+                self.store.remove_tree(step_dir(s))  # files of writes that never finished
+
+    def destroy(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _remove_file(self, step: int, rel: str, rank: int, generation: int) -> None:
+        for name in (rows_file(rank, generation), rel):  # the rows first: never a complete-looking file without its data
+            try:
+                self.store.remove(f"{step_dir(step)}/{name}")
+            except FileNotFoundError:
+                pass
+        d = self.path / step_dir(step)
+        if not any((d / sub).is_dir() and any((d / sub).iterdir()) for sub in ("data", "rows")):
+            self.store.remove_tree(step_dir(step))

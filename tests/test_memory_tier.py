@@ -1,0 +1,155 @@
+"""The memory tier: snapshots in node memory every step, replicated to another node, restored into any layout.
+
+The node-side files and the controller's choice of a restore point are tested
+in one process; the guarantees (at most one step lost, the replica is what
+survives a node loss, a broken or half-written snapshot is never restored)
+on an embedded multi-node Ray cluster with real process and node kills.
+"""
+
+import torch
+
+from chaos_checks import rel_diff
+from ckpt_utils import full_tensors
+from elastic.checkpointing import MemoryTier
+from elastic.events import EventLog, read_events
+from elastic.job import run_job
+from elastic.memory import NodeMemory
+import storage
+from test_ray_elastic import _cfg as ray_cfg
+from test_ray_elastic import _clean_ledger
+
+
+def _cfg(tmp_path, name, **over):
+    """test_ray_elastic's job (the durable tier every 8 steps, 32 steps), with the node memory in the test's directory."""
+    return ray_cfg(tmp_path, name, **{"checkpoint.memory_dir": str(tmp_path / "node-memory"), **over})
+
+
+# -- one process ---------------------------------------------------------------------------
+def _write(mem: NodeMemory, step: int, rank: int, generation: int = 1, value: float = 1.0) -> list[dict]:
+    mem.keep_two(rank, generation, step)
+    rows = storage.write_shards(mem.uri, step, rank, {f"model.w{rank}": torch.full((4, 4), value)}, generation=generation)
+    mem.finish(step, rank, generation, rows)
+    return rows
+
+
+def test_a_rank_keeps_its_newest_whole_snapshot_and_the_one_it_writes(tmp_path):
+    mem = NodeMemory(tmp_path / "node")
+    for step in (1, 2, 3):
+        _write(mem, step, rank=0)
+    _write(mem, 3, rank=1)
+    assert sorted(mem.inventory()) == [(1, 2), (1, 3)]
+    assert sorted(mem.inventory()[(1, 3)]) == [0, 1]
+    # A data file without its rows is a write that did not finish: not held.
+    mem.keep_two(0, 1, 4)
+    storage.write_shards(mem.uri, 4, 0, {"model.w0": torch.ones(4, 4)}, generation=1)
+    assert (1, 4) not in mem.inventory() and sorted(mem.inventory()) == [(1, 3)]
+
+
+def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
+    mem = NodeMemory(tmp_path / "node")
+    rows = _write(mem, 5, rank=2)
+    assert mem.verify(5, 2, rows) is None
+    assert mem.corrupt(seed=3) == 1
+    why = mem.verify(5, 2, rows)
+    assert why is not None and "rank_00002" in why and "CRC-32" in why
+
+
+class _Agents:
+    """The worker group's memory surface over NodeMemory directories, one per simulated node."""
+
+    def __init__(self, nodes: dict[str, NodeMemory]):
+        self.nodes = nodes
+
+    def memory_inventory(self):
+        return {n: m.inventory() for n, m in self.nodes.items()}
+
+    def memory_verify(self, step, files):
+        out = {}
+        for node, per_rank in files.items():
+            for rank, rows in per_rank.items():
+                if why := self.nodes[node].verify(step, rank, rows):
+                    out[(node, rank)] = why
+        return out
+
+
+def _tier(tmp_path, world=2):
+    events = EventLog(tmp_path / "events.jsonl")
+    cfg = _cfg(tmp_path, "unit", **{"checkpoint.memory": "true"})
+    tier = MemoryTier(cfg, events)
+    tier.begin_generation(1, {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}, world, replicated=True)
+    return tier, events
+
+
+def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lost_node(tmp_path):
+    a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
+    for step in (6, 7):
+        for rank, own, peer in ((0, a, b), (1, b, a)):
+            rows = _write(own, step, rank)
+            peer.put(step, rank, 1, own.read(step, rows[0]["file"]), rows)
+    _write(a, 8, rank=0)  # rank 1 died writing step 8: not whole anywhere
+    tier, events = _tier(tmp_path)
+    point = tier.find(_Agents({"b": b}), newer_than=4, train_state=lambda s: {"step": s, "data": {"position": 16 * s}})
+    assert point.tier == "memory" and point.step == 7 and point.position == 112
+    assert point.memory["holders"] == {0: "b", 1: "b"}  # node a is gone: rank 0's file is its replica on b
+    assert tier.find(_Agents({"a": a, "b": b}), newer_than=8, train_state=lambda s: {}) is None  # the durable step is newer
+
+
+def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tmp_path):
+    a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
+    for rank, own, peer in ((0, a, b), (1, b, a)):
+        rows = _write(own, 3, rank)
+        peer.put(3, rank, 1, own.read(3, rows[0]["file"]), rows)
+    tier, events = _tier(tmp_path)
+    a.corrupt(seed=1)
+    point = tier.find(_Agents({"a": a, "b": b}), newer_than=None, train_state=lambda s: {"data": {"position": 0}})
+    assert point.step == 3 and point.memory["holders"] == {0: "b", 1: "b"}
+    assert {e["node"] for e in events.of("memory_snapshot_skipped")} == {"a"}
+    b.corrupt(seed=2)
+    assert tier.find(_Agents({"a": a, "b": b}), newer_than=None, train_state=lambda s: {}) is None
+    (unavailable,) = events.of("memory_restore_unavailable")
+    assert "durable" in unavailable["reason"]
+
+
+# -- on an embedded Ray cluster ---------------------------------------------------------------
+def test_kills_and_a_node_loss_cost_at_most_one_step_from_memory_into_another_layout(tmp_path):
+    # pp=2 x tp=2 on 4 workers (2 nodes). A kill and a kill while writing a memory snapshot keep the layout;
+    # the node loss leaves 2 workers, so the last restore goes into another layout. The durable tier saves
+    # every 8 steps: without the memory tier these failures would lose 2, 3 and 3 steps.
+    layout = {"parallel.pp": 2, "parallel.tp": 2}
+    ref = run_job(_cfg(tmp_path, "ref", **layout), quiet=True)
+    inject = ["kill:rank=1,step=10", "kill_during_save:rank=2,step=19", "node:rank=3,step=27"]
+    hit = run_job(_cfg(tmp_path, "mem", **layout, **{"checkpoint.memory": "true"}), inject, quiet=True)
+    assert ref["state"] == hit["state"] == "FINISHED", hit["reason"]
+    assert [f["kind"] for f in hit["failures"]] == ["kill", "kill_during_save", "node"]
+    assert [f["restored_from"] for f in hit["failures"]] == ["memory"] * 3
+    assert [f["lost_steps"] for f in hit["failures"]] == [1, 1, 1]
+    # The rank died writing snapshot 19: that step is not whole, the one before it is what came back.
+    assert hit["failures"][1]["resume_step"] == 18
+    assert hit["world_sizes"] == [4, 4, 4, 2] and hit["layouts"][-1] != hit["layouts"][0]
+    _clean_ledger(hit)
+    assert hit["losses"][:26] == ref["losses"][:26]  # bit-exact while the layout is the same (resumed at 26 on 2 workers)
+    assert max(abs(a - b) / abs(b) for a, b in zip(hit["losses"], ref["losses"])) < 1e-5
+    got, want = full_tensors(str(tmp_path / "mem" / "ckpt"), 32), full_tensors(str(tmp_path / "ref" / "ckpt"), 32)
+    assert got.keys() == want.keys() and max(rel_diff(got[k], want[k]) for k in want) <= 1e-5
+    memory = hit["memory_tier"]
+    assert memory["restores"] == 3 and memory["snapshots_committed"] >= 28 and memory["state_bytes"] > 0
+    assert memory["held_bytes_bound"] == memory["state_bytes"] * 4
+    assert not any((tmp_path / "node-memory" / "elastic-memory").glob("*/*")), "the job leaves no snapshot behind"
+
+
+def test_a_node_lost_with_its_replica_holder_falls_back_to_the_durable_tier(tmp_path):
+    # Three one-worker nodes in a ring: rank 0's replicas live on rank 1's node, and both nodes go at once.
+    sets = {"checkpoint.memory": "true", "scaling.num_workers": 3, "scaling.min_workers": 1, "scaling.workers_per_node": 1,
+            "training.global_batch": 12, "training.micro_batch": 4, "training.steps": 16}
+    cfg = _cfg(tmp_path, "pair", **sets)
+    report = run_job(cfg, ["node:rank=0,step=12,peer=1"], quiet=True)
+    assert report["state"] == "FINISHED", report["reason"]
+    (failure,) = report["failures"]
+    assert failure["kind"] == "node" and failure["restored_from"] == "durable" and failure["resume_step"] == 8
+    assert failure["lost_steps"] == 12 - 8
+    assert report["world_sizes"] == [3, 1]
+    events = read_events(cfg.run_dir / "events.jsonl")
+    (why,) = [e["reason"] for e in events if e["event"] == "memory_restore_unavailable"]
+    assert "lacks ranks [0]" in why and "durable" in why
+    s = report["samples"]
+    assert s["missing"] == 0 and s["duplicated"] == 0 and s["seen_once"] == s["expected"] == 16 * 12
