@@ -256,7 +256,8 @@ class CheckpointConfig(_Section):
     async_save: bool = Field(False, description="Write in the background while training continues.")
     resume: bool = Field(True, description="Resume from the newest committed checkpoint at start.")
     commit_timeout_s: float = Field(
-        300.0, gt=0, description="A commit (index, manifest, retention) that takes longer is abandoned and reported: a dead mount never wedges the controller."
+        300.0, gt=0, description="A commit (index, manifest, retention) that takes longer is abandoned, fenced and reported: a dead mount never wedges the controller. "
+        "The recovery path's storage work (finding the restore point) has the same deadline; past it the job goes on as if no checkpoint were reachable."
     )
     max_uncommitted_s: float = Field(
         1800.0, ge=0, description="Fail the job when commits have failed and none has succeeded for this long; 0 never fails for that."

@@ -427,7 +427,8 @@ class Controller:
             # Armed by an earlier loop, or due now: the failed generation's last records may have arrived with its failure.
             due = self.fired.get(fault.id) == -1.0 or (fault.id not in self.fired and self.completed_step >= fault.step)
             if fault.kind == "corrupt" and due:
-                target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
+                target = self.checkpoints.call_bounded("corrupting the newest checkpoint (a corrupt fault)", storage.corrupt_newest,
+                                                       self.cfg.checkpoint.uri, seed=fault.id)
                 self.fired[fault.id] = self.clock()
                 self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None, t_fault=self.fired[fault.id], target=target)
 
