@@ -226,6 +226,8 @@ def test_fresh_deletes_only_a_run_directory_elastic_created(tmp_path):
 def test_fresh_accepts_a_run_directory_of_an_older_version(tmp_path):
     old = tmp_path / "demo"
     (old / "checkpoints" / "step_00000025").mkdir(parents=True)
+    (old / "checkpoints" / "step_00000025" / "manifest.json").write_text("{}")
+    (old / "checkpoints" / "step_00000030").mkdir()  # a save cut short
     for name in ("events.jsonl", "report.json", "loss.png"):
         (old / name).write_text("x")
     rundir.claim(str(tmp_path), "demo", fresh=True)
