@@ -5,7 +5,11 @@ of the current generation has reported a step, the coordinator commits it
 (index, then manifest) off the controller's loop and applies retention. A
 commit runs on a daemon thread and has a deadline (`checkpoint.commit_timeout_s`):
 a commit stuck on a dead mount is abandoned with its thread, reported, and
-never wedges the controller, whose deadlines must keep running. When commits
+never wedges the controller, whose deadlines must keep running. An abandoned
+commit is fenced: should the storage come back, it publishes no manifest and
+runs no retention (its view of the saves in progress is stale by then). The
+recovery path's storage work (the restore point, a corrupt fault) has the same
+deadline (`call_bounded`). When commits
 keep failing and no checkpoint has committed for
 `checkpoint.max_uncommitted_s`, `overdue()` names the reason the job must
 fail rather than train on with nothing to fall back to.
@@ -14,6 +18,7 @@ fail rather than train on with nothing to fall back to.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -27,17 +32,21 @@ from elastic.events import EventLog
 
 @dataclass
 class _Commit:
+    """Storage work for the committer thread: a commit, or a call of the recovery path (`call_bounded`)."""
+
     info: dict
     future: Future
     started: float | None = None  # when the committer thread began it (monotonic)
+    abandoned: bool = False  # set at its deadline: from then on it must change nothing in the storage
 
 
 class _SerialRunner:
     """Runs calls one at a time, in order, on a daemon thread; a call that overruns is abandoned with its thread.
 
     A stuck thread (a write on a dead mount) cannot be stopped, only left
-    behind: `abandon()` hands the queue to a fresh thread, and the stuck one,
-    should it ever return, takes nothing more from the queue.
+    behind: `abandon(commit)` fences the call it is stuck in and hands the
+    queue to a fresh thread; the stuck one, should it ever return, takes
+    nothing more from the queue.
     """
 
     def __init__(self, name: str):
@@ -57,8 +66,10 @@ class _SerialRunner:
             self._queue.append((commit, fn, args))
             self._wake.notify()
 
-    def abandon(self) -> None:
+    def abandon(self, commit: _Commit) -> None:
+        """Give up on `commit`, the call running now: mark it abandoned (its own checks fence it) and carry on without it."""
         with self._lock:
+            commit.abandoned = True
             self._epoch += 1
             self._start_thread()
 
@@ -122,17 +133,25 @@ class CheckpointCoordinator:
                 "bytes": sum(row["nbytes"] for row in rows)}
         commit = _Commit(info, Future())
         self._commits.append(commit)
-        self._runner.submit(commit, self._commit, step, rows, layout, self.train_state(step), generation, self.in_progress())
+        self._runner.submit(commit, self._commit, commit, rows, layout, self.train_state(step), self.in_progress())
 
     def in_progress(self) -> set[int]:
         """Steps whose save is under way: rows still arriving, or a commit not yet done."""
         return set(self._rows) | {c.info["step"] for c in self._commits}
 
-    def _commit(self, step: int, rows: list[dict], layout: dict, train_state: dict, generation: int, in_progress: set[int]) -> float:
-        """Runs on the committer thread: everything it needs was taken on the controller's thread when the rows came in."""
+    def _commit(self, commit: _Commit, rows: list[dict], layout: dict, train_state: dict, in_progress: set[int]) -> float:
+        """Runs on the committer thread: everything it needs was taken on the controller's thread when the rows came in.
+
+        Once abandoned (its deadline passed, the step is reported failed) it is
+        fenced: no manifest is published, and no retention runs with an
+        `in_progress` that may no longer name the saves under way.
+        """
         t0 = time.perf_counter()
-        storage.commit(self.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
-        storage.retain(self.uri, self.cfg.checkpoint.keep, in_progress=in_progress - {step})
+        step = commit.info["step"]
+        storage.commit(self.uri, step, rows, generation=commit.info["generation"], layout=layout, train_state=train_state,
+                       publish_if=lambda: not commit.abandoned)
+        if not commit.abandoned:
+            storage.retain(self.uri, self.cfg.checkpoint.keep, in_progress=in_progress - {step})
         return time.perf_counter() - t0
 
     # -- commits out ---------------------------------------------------------------------
@@ -148,7 +167,7 @@ class CheckpointCoordinator:
                 done += self._finish(commit)
             elif self._overran(commit):
                 self._commits.pop(0)
-                self._runner.abandon()
+                self._runner.abandon(commit)
                 self._failed(commit, f"did not finish within checkpoint.commit_timeout_s={self.cfg.checkpoint.commit_timeout_s}s "
                                      "(the checkpoint storage is not answering); abandoned")
             else:
@@ -198,8 +217,12 @@ class CheckpointCoordinator:
     def restore_point(self, group=None) -> RestorePoint:
         """Where a recovery resumes: the newest memory step that survives whole (with the memory tier, asking `group`'s
         agents), unless the newest durable checkpoint that verifies is newer; every newer one that does not is a
-        `checkpoint_skipped` event."""
-        step = storage.latest_valid(self.uri, on_skip=lambda step, reason: self.events.emit("checkpoint_skipped", step=step, reason=str(reason)))
+        `checkpoint_skipped` event. No durable checkpoint counts when the storage does not answer within the deadline
+        (`call_bounded`)."""
+        skipped: list[tuple[int, str]] = []  # filled on the committer thread, emitted on this one
+        step = self.call_bounded("finding the restore point", storage.latest_valid, self.uri, on_skip=lambda *skip: skipped.append(skip))
+        for skip_step, reason in list(skipped):
+            self.events.emit("checkpoint_skipped", step=skip_step, reason=str(reason))
         if self.last_committed is None:
             self.last_committed = step  # a job that resumes starts from a committed checkpoint
         if self.memory.enabled and group is not None:
@@ -207,6 +230,28 @@ class CheckpointCoordinator:
             if point is not None:
                 return point
         return RestorePoint(step, "none" if step is None else "durable")
+
+    def call_bounded(self, what: str, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the committer thread, given `checkpoint.commit_timeout_s` from now; None when it overran.
+
+        For the storage work of the recovery path, which the controller's
+        thread waits for: a dead mount must not wedge it there either. A call
+        that overruns is abandoned like a commit, and a `warning` event (kind
+        `checkpoint_unreachable`) names `what` and why; the caller goes on as
+        if no checkpoint were reachable. Its errors are raised here.
+        """
+        call = _Commit({"call": what}, Future())
+        self._runner.submit(call, functools.partial(fn, *args, **kwargs))
+        limit = self.cfg.checkpoint.commit_timeout_s
+        _wait_future(call.future, limit)
+        if call.future.done():
+            return call.future.result()
+        if not call.future.cancel():  # it is running: left behind on its thread
+            self._runner.abandon(call)
+        self.events.emit("warning", kind="checkpoint_unreachable",
+                         message=f"{what} did not finish within checkpoint.commit_timeout_s={limit}s (the checkpoint storage is not "
+                                 "answering); abandoned: going on as if no checkpoint were reachable")
+        return None
 
     def close(self) -> None:
         """Give the commits in flight until their deadlines, then stop (a stuck one is left behind on its daemon thread)."""

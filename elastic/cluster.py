@@ -152,6 +152,11 @@ class EmbeddedCluster:
         _restore_auth(self._auth_before)
 
 
+def cluster_address(address: str | None) -> str | None:
+    """The Ray cluster a job joins: `address`, else RAY_ADDRESS (set by `ray job submit`); None: it starts an embedded one."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def connect(
     address: str | None, nodes: int, cpus_per_node: float, gpus_per_node: float, *, removes_nodes: bool = False, memory_dir: str = ""
 ) -> EmbeddedCluster | None:
@@ -160,7 +165,7 @@ def connect(
     `removes_nodes`: the job will remove and add nodes (node faults), so even
     one node's workers need a node of their own, apart from the head.
     """
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = cluster_address(address)
     if address:
         with batch_what_starts_here():  # this driver's Ray threads
             ray.init(address=address, logging_level="ERROR")

@@ -4,7 +4,9 @@ Every section forbids unknown keys, so a typo in a YAML file is an error that
 names the field (and the nearest valid one) instead of a silently ignored
 setting. Every float must be finite and every integer must fit in 64 bits
 (what torch and numpy store it in); sizes that cannot work on any machine
-have an upper bound (the `MAX_*` constants below), named in the error.
+have an upper bound (the `MAX_*` constants below), named in the error. An
+integer written in exponent notation (`1e6`, which YAML reads as a string)
+is the number it spells, when it spells a whole one.
 `load_config` turns every problem into one `ConfigError` line naming the field.
 """
 
@@ -15,11 +17,13 @@ import difflib
 import json
 import math
 import re
+from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from elastic.faults import FaultSpecError, parse_faults
 
@@ -30,19 +34,58 @@ MAX_SAMPLES = 1 << 27
 MAX_WORKERS = 1 << 16
 """scaling.num_workers / max_workers: far beyond any job this manager has run (1024 ranks are simulated in the tests)."""
 MAX_SIMULATED_NODES = 32
-"""Nodes the embedded Ray may simulate on one machine (num_workers / workers_per_node): each is a raylet and its agents."""
+"""Nodes the embedded Ray may simulate on one machine (num_workers / workers_per_node): each is a raylet and its agents.
+Checked only where a job starts the embedded Ray (`elastic.job`): a real cluster has real nodes, as many as it has."""
 MIN_CPUS = 0.01
 """The smallest Ray CPU share a worker may reserve; below it a worker would hold nothing and Ray packs any number on a core."""
 MAX_SECONDS = 7 * 24 * 3600.0
 """Durations and timeouts: a week; beyond it a deadline is no deadline (and sleeping that long overflows)."""
+MAX_STEPS = 10**8
+"""training.steps: years of training at a step a second; the controller keeps every step's loss, and the report lists them."""
+MAX_KEEP = 1000
+"""checkpoint.keep: after every commit, retention verifies (manifest, index, file sizes) up to this many checkpoints."""
+MAX_MICROBATCHES = 1 << 14
+"""parallel.pp_microbatches: each splits a rank's batch (a sample at least), and every rank's schedule holds an action per micro-batch and stage."""
+MAX_SPIKE_WINDOW = 10_000
+"""fault.grad_spike_window: the grad-spike rule takes the median of the window at every step."""
 
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the field and the reason."""
 
 
+_EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+"""A number in exponent notation that YAML 1.1 reads as a string (`1e12`: no dot, no sign after the e)."""
+
+
+def _takes_int(annotation: Any) -> bool:
+    """Whether a field holds an integer (`int` or `int | None`)."""
+    return annotation is int or (get_origin(annotation) in (Union, UnionType) and int in get_args(annotation))
+
+
+def _exponent_int(text: str) -> Any:
+    """The integer an exponent-notation string spells (`1e12` -> 10**12), for an integer field; ValueError if it spells no whole number.
+
+    Exact (decimal, not float), and refused before an absurd exponent could build a huge integer.
+    """
+    number = Decimal(text)
+    if number and number.adjusted() > 18:
+        raise ValueError(f"must fit in 64 bits (between -{INT64_MAX} and {INT64_MAX}), got {text!r}")
+    if number != number.to_integral_value():
+        raise ValueError(f"must be a whole number, got {text!r}")
+    return int(number)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exponent_notation(cls, value: Any, info: ValidationInfo) -> Any:
+        """`data.num_samples=1e12` means the number: YAML reads it as a string, which an integer field would refuse as unparsable."""
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()) and _takes_int(cls.model_fields[info.field_name].annotation):
+            return _exponent_int(value.strip())
+        return value
 
     @field_validator("*", mode="after")
     @classmethod
@@ -167,7 +210,7 @@ class ParallelConfig(_Section):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (innermost axis, kept on one node).")
     sequence_parallel: bool = Field(True, description="Shard norm and dropout regions along the sequence when tp > 1.")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
-    pp_microbatches: int = Field(0, ge=0, description="Pipeline micro-batches per step; 0 means pp (or 2*pp for interleaved).")
+    pp_microbatches: int = Field(0, ge=0, le=MAX_MICROBATCHES, description="Pipeline micro-batches per step; 0 means pp (or 2*pp for interleaved).")
     pp_virtual_stages: int = Field(2, ge=1, description="Stages per rank for interleaved_1f1b.")
     reshard_after_forward: bool = Field(True, description="FSDP frees gathered parameters after forward (ZeRO-3) or keeps them (ZeRO-2).")
     activation_checkpointing: bool = Field(False, description="Recompute each block's activations in backward.")
@@ -188,7 +231,8 @@ class ScalingConfig(_Section):
     workers_per_node: int = Field(
         0, ge=0,
         description="Simulated nodes of the embedded Ray hold this many workers each; 0 means one node. One node runs its workers on the head "
-        f"unless node faults need a node to remove. At most {MAX_SIMULATED_NODES} simulated nodes (num_workers / workers_per_node) on one machine.",
+        f"unless node faults need a node to remove. At most {MAX_SIMULATED_NODES} simulated nodes (num_workers / workers_per_node) on one machine; "
+        "on a real Ray cluster (--address, RAY_ADDRESS) it is the workers each node holds, and any number of nodes is fine.",
     )
     cpus_per_worker: float = Field(1.0, ge=MIN_CPUS, le=1024, description="Ray CPUs reserved per worker.")
     gpus_per_worker: float = Field(0.0, ge=0, le=16, description="Ray GPUs per worker (0, or at least 0.01); > 0 selects CUDA and NCCL.")
@@ -200,12 +244,6 @@ class ScalingConfig(_Section):
             raise ValueError(f"scaling.min_workers ({self.min_workers}) exceeds scaling.num_workers ({self.num_workers})")
         if self.max_workers and self.max_workers < self.num_workers:
             raise ValueError(f"scaling.max_workers ({self.max_workers}) is below scaling.num_workers ({self.num_workers})")
-        nodes = math.ceil(self.num_workers / self.workers_per_node) if self.workers_per_node else 1
-        if nodes > MAX_SIMULATED_NODES:
-            raise ValueError(
-                f"scaling.num_workers ({self.num_workers}) / scaling.workers_per_node ({self.workers_per_node}) = {nodes} simulated nodes, "
-                f"more than the {MAX_SIMULATED_NODES} the embedded Ray runs on one machine"
-            )
         if 0 < self.gpus_per_worker < 0.01:
             raise ValueError(f"scaling.gpus_per_worker ({self.gpus_per_worker}) must be 0 or at least 0.01")
         return self
@@ -214,13 +252,18 @@ class ScalingConfig(_Section):
     def upper(self) -> int:
         return self.max_workers or self.num_workers
 
+    @property
+    def nodes(self) -> int:
+        """Nodes the job starts on: num_workers / workers_per_node, rounded up (1 when workers_per_node is 0)."""
+        return math.ceil(self.num_workers / self.workers_per_node) if self.workers_per_node else 1
+
 
 class TrainingConfig(_Section):
     """The optimisation: fixed global batch, AdamW, linear warm-up then the chosen learning-rate schedule."""
 
     global_batch: int = Field(32, ge=1, le=1 << 20, description="Samples per optimizer step, whatever the world size.")
     micro_batch: int = Field(4, ge=1, description="Samples per forward/backward on one data-parallel rank.")
-    steps: int = Field(200, ge=1, description="Optimizer steps to run.")
+    steps: int = Field(200, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
@@ -252,11 +295,12 @@ class CheckpointConfig(_Section):
 
     uri: str = Field("", description="Directory or fsspec URI (file://, memory://, s3://) of the checkpoints; empty means <run_root>/<name>/checkpoints.")
     every_steps: int = Field(20, ge=1, description="Save after every this many steps.")
-    keep: int = Field(3, ge=1, description="Committed checkpoints to keep; older ones are deleted.")
+    keep: int = Field(3, ge=1, le=MAX_KEEP, description="Committed checkpoints to keep; older ones are deleted.")
     async_save: bool = Field(False, description="Write in the background while training continues.")
     resume: bool = Field(True, description="Resume from the newest committed checkpoint at start.")
     commit_timeout_s: float = Field(
-        300.0, gt=0, description="A commit (index, manifest, retention) that takes longer is abandoned and reported: a dead mount never wedges the controller."
+        300.0, gt=0, description="A commit (index, manifest, retention) that takes longer is abandoned, fenced and reported: a dead mount never wedges the controller. "
+        "The recovery path's storage work (finding the restore point) has the same deadline; past it the job goes on as if no checkpoint were reachable."
     )
     max_uncommitted_s: float = Field(
         1800.0, ge=0, description="Fail the job when commits have failed and none has succeeded for this long; 0 never fails for that."
@@ -302,7 +346,7 @@ class FaultConfig(_Section):
     grad_spike_factor: float = Field(
         10.0, ge=0, description="Warn (a `warning` event) when the global grad norm exceeds this many times its recent median; 0 disables."
     )
-    grad_spike_window: int = Field(20, ge=1, description="Recent steps whose median grad norm the spike rule compares against.")
+    grad_spike_window: int = Field(20, ge=1, le=MAX_SPIKE_WINDOW, description="Recent steps whose median grad norm the spike rule compares against.")
     grad_spike_warmup: int = Field(10, ge=1, description="Steps observed before the spike rule judges any.")
     inject: list[str] = Field(
         default_factory=list,

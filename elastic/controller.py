@@ -456,7 +456,8 @@ class Controller:
                 if fault.where == "memory":
                     target = self.group.memory_corrupt(seed=fault.id)
                 else:
-                    target = storage.corrupt_newest(self.cfg.checkpoint.uri, seed=fault.id)
+                    target = self.checkpoints.call_bounded("corrupting the newest checkpoint (a corrupt fault)", storage.corrupt_newest,
+                                                           self.cfg.checkpoint.uri, seed=fault.id)
                 self.fired[fault.id] = self.clock()
                 self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None,
                                  t_fault=self.fired[fault.id], target=target, where=fault.where)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -10,8 +9,8 @@ import ray
 
 import storage
 from elastic.alerts import GradSpikeRule
-from elastic.cluster import connect
-from elastic.config import ConfigError, JobConfig
+from elastic.cluster import cluster_address, connect
+from elastic.config import MAX_SIMULATED_NODES, ConfigError, JobConfig
 from elastic.controller import Controller, State
 from elastic import rundir
 from elastic.data import DataInfo, describe, resume_position
@@ -77,7 +76,22 @@ def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | N
         return _run_job(cfg, inject, address=address, fresh=fresh, quiet=quiet)
 
 
+def _refuse_too_many_simulated_nodes(cfg: JobConfig, address: str | None) -> None:
+    """The embedded Ray simulates every node on this machine, and runs only so many; a real cluster's nodes are its own, any number.
+
+    Checked before anything is claimed or written, only where the job would start the embedded Ray.
+    """
+    s = cfg.scaling
+    if cluster_address(address) is None and s.nodes > MAX_SIMULATED_NODES:
+        raise ConfigError(
+            f"scaling.workers_per_node ({s.workers_per_node}): scaling.num_workers ({s.num_workers}) / scaling.workers_per_node = "
+            f"{s.nodes} simulated nodes, more than the {MAX_SIMULATED_NODES} the embedded Ray runs on one machine; "
+            "to run on a Ray cluster, give its address (--address or RAY_ADDRESS)"
+        )
+
+
 def _run_job(cfg: JobConfig, inject: list[str] | None, *, address: str | None, fresh: bool, quiet: bool) -> dict:
+    _refuse_too_many_simulated_nodes(cfg, address)
     cfg, faults, data, claim = prepare(cfg, inject, fresh)
     try:
         return _run_claimed(cfg, faults, data, claim, address=address, quiet=quiet)
@@ -94,10 +108,9 @@ def _run_claimed(cfg: JobConfig, faults: list, data: DataInfo, claim: rundir.Run
             resume_position(cfg.checkpoint.uri, resume_step, data)  # refuses other data before any worker starts
     s = cfg.scaling
     per_node = s.workers_per_node or s.upper
-    nodes = math.ceil(s.num_workers / per_node)
     removes_nodes = any(f.kind == "node" for f in faults)
     t_start = time.time()
-    cluster = connect(address, nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes,
+    cluster = connect(address, s.nodes, per_node * s.cpus_per_worker, per_node * s.gpus_per_worker, removes_nodes=removes_nodes,
                       memory_dir=cfg.checkpoint.memory_dir)
     cluster_s = time.time() - t_start
     if removes_nodes and cluster is None:

@@ -4,8 +4,11 @@ When elastic creates a run directory it writes a marker file (`MARKER`) into
 it. `--fresh` deletes a run directory only when it carries the marker, or
 when it is a run directory of a version before the marker: every entry in it
 is one elastic writes there (`LEGACY_ENTRIES`: events.jsonl, report.json, the
-default checkpoints/ directory, the report's plots), so `make demo --fresh`
-still works on an old runs/demo. A run directory that exists, is not empty
+default checkpoints/ directory, the report's plots), and a checkpoints/ there
+holds nothing but checkpoint directories, one of them committed (`step_*`
+with its manifest.json), so `make demo --fresh` still works on an old
+runs/demo while someone's own `checkpoints/` is never taken for elastic's. A
+run directory that exists, is not empty
 and is neither is refused (exit 2), with or without `--fresh`: elastic would
 write its logs and checkpoints among someone else's files. So are a
 `run_root` that is `/` or the home directory, and a run directory that is `/`,
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.config import ConfigError
+from storage.format import MANIFEST, parse_step_dir
 from storage.lease import LEASE_FILE, Lease, LeaseHeld
 
 MARKER = ".elastic-run"
@@ -40,7 +44,19 @@ LEGACY_ENTRIES = frozenset({"events.jsonl", "report.json", "checkpoints", "loss.
 
 def _is_ours(run_dir: Path) -> bool:
     entries = {p.name for p in run_dir.iterdir()}
-    return MARKER in entries or (bool(entries) and entries <= LEGACY_ENTRIES)
+    if MARKER in entries:
+        return True
+    legacy = bool(entries) and entries <= LEGACY_ENTRIES
+    return legacy and ("checkpoints" not in entries or _legacy_checkpoints(run_dir / "checkpoints"))
+
+
+def _legacy_checkpoints(path: Path) -> bool:
+    """Whether `checkpoints/` is recognisably elastic's: only step directories (and a lease), at least one with its manifest."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    others = [p for p in path.iterdir() if p.name != LEASE_FILE]
+    steps = [p for p in others if parse_step_dir(p.name) is not None and p.is_dir() and not p.is_symlink()]
+    return len(steps) == len(others) and any((p / MANIFEST).is_file() for p in steps)
 
 
 def _refuse_special(field: str, path: Path) -> None:

@@ -40,7 +40,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
@@ -117,16 +117,28 @@ class Store:
             for buf in buffers:
                 f.write(memoryview(buf).cast("B"))
 
-    def write_atomic(self, rel: str, data: bytes) -> None:
-        """Publish a small file all at once: readers see the old state or the whole new file, never a part."""
+    def write_atomic(self, rel: str, data: bytes, *, publish_if: Callable[[], bool] | None = None) -> bool:
+        """Publish a small file all at once: readers see the old state or the whole new file, never a part.
+
+        `publish_if()` is asked at the last moment, once the bytes are on
+        stable storage and only the rename (one PUT on object stores) is left:
+        when it says False nothing is published and this returns False. A
+        caller that gave up on a slow write (its deadline passed) fences it so.
+        """
         if self.local is not None:
             with self._parent(rel, create=True) as (fd, name):
                 tmp = f".{name}.{uuid.uuid4().hex}.tmp"
                 _write_local(fd, tmp, rel, [data], durable=True)
+                if publish_if is not None and not publish_if():
+                    os.unlink(tmp, dir_fd=fd)
+                    return False
                 os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link planted there, never its target
                 os.fsync(fd)
-            return
+            return True
+        if publish_if is not None and not publish_if():
+            return False
         self.fs.pipe_file(self.path(rel), data)
+        return True
 
     def create_new(self, rel: str, data: bytes) -> bool:
         """Publish a small file only where none exists; False if one does.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
@@ -116,11 +117,17 @@ def commit(
     layout: dict,
     train_state: dict,
     storage_options: dict | None = None,
+    publish_if: Callable[[], bool] | None = None,
 ) -> dict:
     """Write the index, then the manifest (the commit); returns the manifest.
 
     `rows` are all ranks' `write_shards` rows of `generation`, the generation
     that commits: a row naming a file of any other generation is refused.
+    `publish_if()` is asked right before the manifest is published
+    (`Store.write_atomic`): when it says False, the commit stops with a
+    CheckpointError and the step stays uncommitted. A caller that abandons a
+    commit at its deadline fences it so: should the storage come back, the
+    commit still never lands.
     """
     store = Store(uri, storage_options)
     where = store.describe(step_dir(step))
@@ -159,7 +166,8 @@ def commit(
         "bytes": sum(e["bytes"] for e in files.values()),
         "tensors": dict(sorted(tensors.items())),
     }
-    store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest))
+    if not store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest), publish_if=publish_if):
+        raise CheckpointError(f"{where}: the commit was called off before its manifest was published")
     store.sync_dir()  # the step directory's own entry in the root
     return manifest
 

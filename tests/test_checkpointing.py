@@ -11,6 +11,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from test_controller_steps import _run, _setup
 
@@ -19,6 +20,7 @@ from elastic.checkpointing import CheckpointCoordinator
 from elastic.config import load_config
 from elastic.controller import State
 from elastic.events import EventLog
+from elastic.faults import Fault
 
 
 def _stuck_index(uri: str, step: int) -> str:
@@ -102,4 +104,128 @@ def test_a_run_whose_last_checkpoint_does_not_commit_is_not_finished(tmp_path):
         assert ctrl.last_committed == 8
     finally:
         _unblock(fifo)
+        ctrl.checkpoints.close()
+
+
+def _stall(monkeypatch, owner, name: str, when) -> tuple[threading.Event, threading.Event]:
+    """Make `owner.name` block, the way a call on a dead mount does, when `when(*args)` holds, until the test releases it.
+
+    Returns (stalled, release): set once a call is held, and what lets it go on (the storage comes back).
+    """
+    real = getattr(owner, name)
+    stalled, release = threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        if when(*args):
+            stalled.set()
+            release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    return stalled, release
+
+
+_STALLS = {
+    # where the commit of step 4 is when its deadline passes
+    "writing the index": (storage.fs.Store, "write", lambda store, rel, *_: rel.endswith("index.arrow")),
+    "writing the manifest": (storage.fs, "_write_local", lambda fd, name, *_: name.startswith(".manifest.json")),
+    "syncing after the manifest": (storage.fs.Store, "sync_dir", lambda store, *_: True),
+}
+
+
+@pytest.mark.parametrize("where", list(_STALLS))
+def test_an_abandoned_commit_changes_nothing_when_the_storage_comes_back(tmp_path, monkeypatch, where):
+    """Storage that answers again after the deadline: the abandoned commit publishes no manifest it had not begun, and runs no retention.
+
+    Retention with its stale view of the saves in progress (keep=1) would delete step 2, the newest checkpoint that committed.
+    """
+    uri = str(tmp_path / "ckpt")
+    _commit_directly(uri, 2)
+    cfg = load_config(None, [f"checkpoint.uri={uri}", "checkpoint.commit_timeout_s=0.5", "checkpoint.keep=1"])
+    events = EventLog(tmp_path / "events.jsonl")
+    ckpt = CheckpointCoordinator(cfg, events, lambda step: {"step": step})
+    owner, name, when = _STALLS[where]
+    stalled, release = _stall(monkeypatch, owner, name, when)
+    try:
+        for rank in range(2):
+            ckpt.on_saved(rank, _saved(uri, 4, rank), {"dp_shard": 2}, 2, 1)
+        abandoned = ckpt._commits[0].future
+        assert stalled.wait(10)
+        assert ckpt.reap(wait=True) == []
+        (failed,) = events.of("checkpoint_commit_failed")
+        assert failed["step"] == 4 and "abandoned" in failed["error"]
+        release.set()  # the storage answers again
+        error = abandoned.exception(timeout=10)
+        steps = [c["step"] for c in storage.list_checkpoints(uri)]
+        if where == "syncing after the manifest":  # published before the deadline; only its retention is fenced
+            assert error is None and steps == [4, 2]
+        else:
+            assert "called off before its manifest was published" in str(error) and steps == [2]
+        assert storage.latest_valid(uri) == (4 if where == "syncing after the manifest" else 2)
+    finally:
+        release.set()
+        ckpt.close()
+
+
+def _commit_directly(uri: str, step: int) -> None:
+    rows = storage.write_shards(uri, step, 0, {"model.r0": torch.full((3,), float(step))}, generation=1)
+    storage.commit(uri, step, rows, generation=1, layout={"dp_shard": 1}, train_state={"step": step})
+
+
+def _stuck_manifest(uri: str, step: int) -> str:
+    """A committed-looking step whose manifest is a FIFO: reading it blocks until someone writes, as on a dead mount."""
+    path = os.path.join(uri, f"step_{step:08d}", "manifest.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def _release_reader(path: str) -> None:
+    """Let a reader blocked on the FIFO go on: it reads an empty (garbled) manifest."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    os.close(fd)
+
+
+def test_the_restore_point_is_found_within_the_deadline_or_is_none(tmp_path):
+    uri = str(tmp_path / "ckpt")
+    _commit_directly(uri, 4)
+    cfg = load_config(None, [f"checkpoint.uri={uri}", "checkpoint.commit_timeout_s=0.5"])
+    events = EventLog(tmp_path / "events.jsonl")
+    ckpt = CheckpointCoordinator(cfg, events, lambda step: {"step": step})
+    fifo = _stuck_manifest(uri, 8)
+    try:
+        t0 = time.monotonic()
+        assert ckpt.restore_point().tier == "none"
+        assert 0.4 < time.monotonic() - t0 < 5.0
+        (warning,) = events.of("warning")
+        assert warning["kind"] == "checkpoint_unreachable" and "finding the restore point" in warning["message"]
+        assert "commit_timeout_s=0.5" in warning["message"]
+        _release_reader(fifo)
+        os.unlink(fifo)
+        with open(fifo, "w") as f:  # the storage answers again: step 8's manifest is garbled
+            f.write("{")
+        # The next search runs on a fresh thread; step 8 is skipped, with the reason, on the controller's thread.
+        assert ckpt.restore_point().step == 4
+        (skipped,) = events.of("checkpoint_skipped")
+        assert skipped["step"] == 8 and "manifest" in skipped["reason"]
+    finally:
+        ckpt.close()
+
+
+def test_a_corrupt_fault_on_storage_that_does_not_answer_does_not_wedge_the_recovery(tmp_path):
+    ctrl, _, _ = _setup(tmp_path, **{"checkpoint.commit_timeout_s": 0.5})
+    uri = ctrl.cfg.checkpoint.uri
+    _commit_directly(uri, 4)
+    fifo = _stuck_manifest(uri, 8)
+    ctrl.faults = [Fault(id=0, kind="corrupt", step=0)]
+    ctrl.completed_step = 4
+    try:
+        t0 = time.monotonic()
+        ctrl._corrupt_newest()
+        assert time.monotonic() - t0 < 5.0
+        (injected,) = ctrl.events.of("fault_injected")
+        assert injected["kind"] == "corrupt" and injected["target"] is None
+        assert "corrupting the newest checkpoint" in ctrl.events.of("warning")[0]["message"]
+    finally:
+        _release_reader(fifo)
         ctrl.checkpoints.close()

@@ -52,7 +52,7 @@ SPECS = st.one_of(
 )
 VALUES = st.one_of(
     st.none(), st.booleans(), INTS, st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([1e-300, 0.001, 0.5, 2.0, 1e300, "1e-300", "auto", "cuda", "1f1b", "gpipe", "interleaved_1f1b", "runs", "/", "a\x00b",
+    st.sampled_from([1e-300, 0.001, 0.5, 2.0, 1e300, "1e-300", "1e3", "1e12", "2.5e1", "1.5e0", "-1e3", "0e99", "1e999999999", "auto", "cuda", "1f1b", "gpipe", "interleaved_1f1b", "runs", "/", "a\x00b",
                      "s3://bucket/x", "../x"]),
     st.text(max_size=12), st.lists(SPECS, max_size=3), st.dictionaries(st.text(max_size=4), INTS, max_size=2),
 )

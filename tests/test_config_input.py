@@ -87,7 +87,13 @@ def test_cli_plan_into_a_closed_pipe_is_quiet():
     (["scaling.cpus_per_worker=.nan"], ["scaling.cpus_per_worker", "finite"]),
     (["scaling.cpus_per_worker=1e-300"], ["scaling.cpus_per_worker", "0.01"]),
     (["data.num_samples=1000000000000"], ["data.num_samples", "134217728"]),
-    (["scaling.num_workers=4000", "scaling.workers_per_node=2"], ["scaling.workers_per_node", "2000 simulated nodes", "32"]),
+    (["data.num_samples=1e12"], ["data.num_samples", "134217728"]),  # YAML reads 1e12 as a string: taken as the number
+    (["training.steps=1e9"], ["training.steps", "100000000"]),
+    (["checkpoint.keep=5000"], ["checkpoint.keep", "1000"]),
+    (["parallel.pp_microbatches=100000"], ["parallel.pp_microbatches", "16384"]),
+    (["fault.grad_spike_window=1e6"], ["fault.grad_spike_window", "10000"]),
+    (["training.steps=1.5e0"], ["training.steps", "whole number", "'1.5e0'"]),
+    (["training.seed=1e999999999"], ["training.seed", "64 bits"]),
     (["scaling.num_workers=100000"], ["scaling.num_workers", "65536"]),
     (["training.seed=100000000000000000000000"], ["training.seed", "64 bits"]),
     (["data.seed=-1"], ["data.seed"]),
@@ -136,6 +142,33 @@ def test_bad_inject_spec_is_one_line_naming_the_spec(capsys, spec, needle):
     assert main(["config", "validate", DEMO, "--inject", spec]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--inject {spec!r}" in err and needle in err, err
+
+
+def test_an_integer_in_exponent_notation_is_the_number_it_spells():
+    cfg = load_config(DEMO, ["data.num_samples=1e5", "training.steps=2.5e2", "training.lr=1e-3"])
+    assert (cfg.data.num_samples, cfg.training.steps, cfg.training.lr) == (100000, 250, 1e-3)
+    assert load_config(data={"checkpoint": {"every_steps": "5E1"}}).checkpoint.every_steps == 50  # so in a YAML file
+    assert load_config(DEMO, ["name=1e3"]).name == "1e3"  # a string field keeps the string
+
+
+MULTI_NODE = str(ROOT / "deploy" / "examples" / "multi-node-3d.yaml")
+SIXTY_FOUR_NODES = ["--set", "scaling.workers_per_node=8", "--set", "scaling.num_workers=512", "--set", "scaling.max_workers=512"]
+
+
+def test_a_job_on_more_nodes_than_the_embedded_ray_simulates_is_refused_only_where_it_would_start_it(tmp_path, capsys, monkeypatch):
+    from elastic.job import _refuse_too_many_simulated_nodes
+
+    assert main(["config", "validate", MULTI_NODE, *SIXTY_FOUR_NODES]) == 0  # 64 nodes of 8 GPUs: a real cluster's
+    cfg = load_config(MULTI_NODE, SIXTY_FOUR_NODES[1::2])
+    _refuse_too_many_simulated_nodes(cfg, "ray://head:10001")  # `elastic run --address`
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # `ray job submit`
+    _refuse_too_many_simulated_nodes(cfg, None)
+    monkeypatch.delenv("RAY_ADDRESS")
+    capsys.readouterr()
+    assert main(["run", MULTI_NODE, *SIXTY_FOUR_NODES, "--set", f"run_root={tmp_path}"]) == 2  # it would start the embedded Ray
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "scaling.workers_per_node (8)" in err and "64 simulated nodes" in err and "the 32" in err, err
+    assert "RAY_ADDRESS" in err and not any(tmp_path.iterdir())  # refused before anything is claimed
 
 
 def test_faults_that_can_fire_are_accepted():
@@ -193,6 +226,8 @@ def test_fresh_deletes_only_a_run_directory_elastic_created(tmp_path):
 def test_fresh_accepts_a_run_directory_of_an_older_version(tmp_path):
     old = tmp_path / "demo"
     (old / "checkpoints" / "step_00000025").mkdir(parents=True)
+    (old / "checkpoints" / "step_00000025" / "manifest.json").write_text("{}")
+    (old / "checkpoints" / "step_00000030").mkdir()  # a save cut short
     for name in ("events.jsonl", "report.json", "loss.png"):
         (old / name).write_text("x")
     rundir.claim(str(tmp_path), "demo", fresh=True)

@@ -125,3 +125,30 @@ def test_open_run_refuses_a_foreign_directory_before_taking_a_lease(tmp_path):
     with pytest.raises(ConfigError, match="not created by elastic"):
         rundir.open_run(_cfg(tmp_path), fresh=True)
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("content", ["empty", "a user's files", "a step directory without a manifest", "a link to a checkpoint"])
+def test_a_directory_holding_only_a_checkpoints_folder_is_not_taken_for_elastics(tmp_path, content):
+    """An older version's run directory is recognised by its checkpoints (`step_*` with a manifest), not by the folder's name."""
+    run_dir = tmp_path / "runs" / "job"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    if content == "a user's files":
+        (ckpts / "model-final.pt").write_text("weeks of training")
+    elif content == "a step directory without a manifest":
+        (ckpts / "step_00000010").mkdir()
+    elif content == "a link to a checkpoint":
+        _commit(str(tmp_path / "elsewhere"), 10)
+        (ckpts / "step_00000010").symlink_to(tmp_path / "elsewhere" / "step_00000010")
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    with pytest.raises(ConfigError, match="not empty and was not created by elastic"):
+        rundir.claim(str(tmp_path / "runs"), "job", fresh=True)
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
+
+
+def test_an_older_versions_checkpoints_folder_is_recognised(tmp_path):
+    run_dir = tmp_path / "runs" / "job"
+    _commit(str(run_dir / "checkpoints"), 10)
+    (run_dir / "checkpoints" / "step_00000020").mkdir()  # a save cut short
+    assert rundir.claim(str(tmp_path / "runs"), "job", fresh=True) == run_dir
+    assert sorted(p.name for p in run_dir.iterdir()) == [rundir.MARKER]

@@ -340,7 +340,7 @@ _KILLER = textwrap.dedent(
     elif point == "before_index":
         writer.encode_index = lambda rows: die()
     elif point == "before_manifest":
-        sfs.Store.write_atomic = lambda self, rel, data: die()
+        sfs.Store.write_atomic = lambda self, rel, data, **kwargs: die()
     elif point == "manifest_rename":
         sfs.os.replace = lambda *args, **kwargs: die()
     rows = storage.write_shards(uri, 2, 0, {k: v + 1 for k, v in state.items()}, generation=1)
