@@ -41,6 +41,12 @@ bounds both the L2- and the max-norm relative difference of the loss vectors.
     make bench-strategies                 # or: python bench/strategies.py [--steps N] [--only NAME ...]
 
 writes bench/results/strategies.json and prints a markdown table.
+
+The memory tier's cost (`--memory-cost`, `make bench-memory`): per layout the
+manager runs with `checkpoint.memory` off and on, alternating as above, on
+two simulated nodes (so that every snapshot is also replicated to the other
+node); `memory_step_ratio` is the median step time with the tier on / off.
+It writes bench/results/memory_tier.json.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ from elastic.train import lr_at  # noqa: E402
 
 BASE_CONFIG = ROOT / "deploy" / "examples" / "demo.yaml"
 RESULTS = ROOT / "bench" / "results" / "strategies.json"
+MEMORY_RESULTS = ROOT / "bench" / "results" / "memory_tier.json"
 
 # The layouts of the issue-3 correctness matrix, as `--set` overrides of the demo config.
 LAYOUTS: list[tuple[str, int, list[str]]] = [
@@ -99,7 +106,9 @@ MODEL = [
 ]
 
 
-def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path) -> JobConfig:
+def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path, memory: bool | None = None) -> JobConfig:
+    """The layout's job; `memory` None: one node, no memory tier (against plain); else two nodes, the memory tier on or off."""
+    per_node = world if memory is None else max(1, world // 2)
     sets = MODEL + layout_sets + [
         f"name=bench-{name.replace(' ', '_').replace('=', '').replace('+', '')}",
         f"run_root={workdir / 'runs'}",
@@ -107,13 +116,15 @@ def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdi
         f"scaling.num_workers={world}",
         f"scaling.min_workers={world}",
         "scaling.max_workers=0",
-        f"scaling.workers_per_node={world}",  # one simulated node: the plain side is one machine too
+        f"scaling.workers_per_node={per_node}",  # one simulated node: the plain side is one machine too
         "fault.inject=[]",
         "fault.hang_floor_s=120",  # a loaded 2-core machine must not trip the calibrated hang deadline
         f"checkpoint.uri={workdir / 'ckpt'}",
         f"checkpoint.every_steps={steps + 1000}",  # no periodic save; the final step's save is not timed
         "checkpoint.resume=false",
         "checkpoint.async_save=false",
+        f"checkpoint.memory={'true' if memory else 'false'}",
+        f"checkpoint.memory_dir={workdir / 'node-memory'}",
     ]
     return load_config(BASE_CONFIG, sets)
 
@@ -124,12 +135,12 @@ class _RecordingController(Controller):
 
     captured: dict[int, list[dict]] = {}
 
-    def _absorb(self, rank: int, poll: dict, now: float) -> None:
-        if poll["generation"] == self.generation:
+    def _absorb(self, rank: int, state, now: float) -> None:
+        if state.generation == self.generation:
             _RecordingController.captured.setdefault(rank, []).extend(
-                dict(r) for r in poll["records"] if r["kind"] in ("ready", "step")
+                dict(r) for r in state.records if r["kind"] in ("ready", "step")
             )
-        super()._absorb(rank, poll, now)
+        super()._absorb(rank, state, now)
 
 
 def run_manager(cfg: JobConfig) -> tuple[list[list[dict]], dict]:
@@ -254,6 +265,52 @@ def bench_layout(name: str, world: int, sets: list[str], args, index: int, workd
     }
 
 
+def bench_memory_cost(name: str, world: int, sets: list[str], args, index: int, workdir: Path) -> dict:
+    """The layout's median step time under the manager with the memory tier on and off, alternating, on two nodes."""
+    first, last = args.warmup, args.steps - 2
+    pair = [False, True] if index % 2 == 0 else [True, False]
+    order = [on for r in range(args.rounds) for on in (pair if r % 2 == 0 else pair[::-1])]
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    run_medians, stalls, held = [], [], []
+    for on in order:
+        cfg = job_config(name, world, sets, args.steps, workdir, memory=on)
+        records, report = run_manager(cfg)
+        times = step_times(records, first, last)
+        samples[on] += list(times.values())
+        run_medians.append(statistics.median(times.values()))
+        if on:
+            stalls += [r.get("memory_stall_s", 0.0) for rs in records for r in rs if r["kind"] == "step" and first <= r["step"] <= last]
+            held.append(report["memory_tier"])
+        print(f"  {name:28s} memory {'on ' if on else 'off'} median {run_medians[-1]:.4f}s", flush=True)
+    on_s, off_s = statistics.median(samples[True]), statistics.median(samples[False])
+    return {
+        "layout": name,
+        "world": world,
+        "nodes": 2 if world > 1 else 1,
+        "step_s_memory_on": on_s,
+        "step_s_memory_off": off_s,
+        "memory_step_ratio": on_s / off_s,
+        "round_ratios": [
+            run_medians[i + 1] / run_medians[i] if not order[i] else run_medians[i] / run_medians[i + 1]
+            for i in range(0, len(order), 2)
+        ],
+        "memory_stall_s_median": statistics.median(stalls) if stalls else None,
+        "state_bytes": held[-1]["state_bytes"] if held else None,
+        "held_bytes_bound": held[-1]["held_bytes_bound"] if held else None,
+        "order": ["on" if on else "off" for on in order],
+    }
+
+
+def memory_table(result: dict) -> str:
+    lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | rank stall (median) | round_ratios |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in result["layouts"]:
+        lines.append(f"| {r['layout']} | {r['world']} | {r['step_s_memory_off']:.4f} | {r['step_s_memory_on']:.4f} | "
+                     f"{r['memory_step_ratio']:.3f} | {r['memory_stall_s_median'] * 1000:.1f} ms | "
+                     f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])} |")
+    return "\n".join(lines)
+
+
 def _job_cpu(cores: dict[str, float], step_s: float) -> float:
     return step_s * (cores["training"] + cores["rank_other"] + cores["launcher"])
 
@@ -295,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of each side per layout: a-b, then b-a, a-b, ... (default 1; the first side alternates between layouts)",
     )
     parser.add_argument("--only", action="append", default=[], help="run only layouts with this name (repeatable)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--memory-cost", action="store_true", help="measure the memory tier on vs off instead (bench/results/memory_tier.json)")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    args.out = args.out or (MEMORY_RESULTS if args.memory_cost else RESULTS)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.steps < args.warmup + 3:
@@ -306,16 +365,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only matches no layout; layouts: {[n for n, _, _ in LAYOUTS]}")
     t0 = time.time()
     result = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds, "layouts": []}
+    bench = bench_memory_cost if args.memory_cost else bench_layout
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
         for i, (name, world, sets) in enumerate(selected):
-            result["layouts"].append(bench_layout(name, world, sets, args, i, Path(tmp)))
+            result["layouts"].append(bench(name, world, sets, args, i, Path(tmp)))
     result["machine"]["loadavg_at_end"] = list(os.getloadavg())
     result["wall_s"] = time.time() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print()
-    print(cpu_table(result))
+    if args.memory_cost:
+        print(memory_table(result))
+    else:
+        print(table(result))
+        print()
+        print(cpu_table(result))
     print(f"\nwrote {args.out} in {result['wall_s']:.0f}s")
     return 0
 

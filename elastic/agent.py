@@ -375,13 +375,14 @@ class NodeAgent:
         self._pass_on(c, generation, rec, replicated=error is None, error=error)
 
     def _pass_on(self, c: _Child, generation: int, rec: dict, replicated: bool, error: str | None = None) -> None:
+        """Queue a snapshot's record for the controller. It does not wake the poll: it travels with the next step
+        records (every `elastic.train.STEP_REPORT_S`), since a poll answer per rank and step costs training CPU."""
         out = {k: v for k, v in rec.items() if k != "rows"} | {"replicated": replicated}
         if error:
             out["replica_error"] = error
         with self._lock:
             if c.records_gen == generation:
                 c.records.append(out)
-        self._changed.set()
 
     def put_replica(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
         """Hold another node's rank's snapshot of `step` (its older ones but the newest go)."""
