@@ -164,14 +164,40 @@ def test_validate_prints_the_layout_and_the_idle_workers(capsys):
     assert main(["config", "validate", DEMO, *[a for s in sets for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["layout tp=2 on 2 workers (kept tp=2 pp=1); global batch 32 = dp 1 x 4 micro-batches of 8; "
-                   "1 of 3 workers idle (3 is no multiple of tp*pp (2))", "OK"]
+                   "1 of 3 workers idle (3 is no multiple of tp*pp (2)); the idle workers' slots stay reserved and unused", "OK"]
 
 
 def test_unwritable_checkpoint_uri_is_said_once(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
-    code = main(["run", DEMO, "--set", f"checkpoint.uri={tmp_path / 'f' / 'sub'}", "--set", f"run_root={tmp_path}"])
+    uri = tmp_path / "f" / "sub"
+    code = main(["run", DEMO, "--set", f"checkpoint.uri={uri}", "--set", f"run_root={tmp_path}"])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("not writable") == 1 and err.startswith("elastic: error: checkpoint.uri: "), err
+    assert code == 2 and err.startswith(f"elastic: error: checkpoint.uri {uri} is not writable: "), err
+    assert err.count("not writable") == 1 and "checkpoint URI" not in err, err  # the OS error after it names the path it failed at
+
+
+@pytest.mark.parametrize("sets", [
+    ["checkpoint.uri=/proc/nope"],
+    ["data.kind=tokens", "data.path=/nonexistent/corpus"],
+    ["model.init_from=/nonexistent/weights"],
+], ids=["checkpoint.uri", "data.path", "model.init_from"])
+def test_validate_refuses_what_run_refuses_before_a_worker_starts(tmp_path, capsys, sets):
+    args = [a for s in [*sets, f"run_root={tmp_path}"] for a in ("--set", s)]
+    assert main(["config", "validate", DEMO, *args]) == 2
+    validate = capsys.readouterr()
+    assert main(["run", DEMO, *args]) == 2
+    run = capsys.readouterr()
+    field = sets[-1].split("=")[0]
+    assert validate.err == run.err and validate.err.startswith(f"elastic: error: {field}") and validate.err.count("\n") == 1, (validate, run)
+    assert "OK" not in validate.out
+    assert list(tmp_path.iterdir()) == []  # validate claimed no run directory, and run refused before it did
+
+
+def test_validate_leaves_no_directory_behind(tmp_path, capsys):
+    ckpt = tmp_path / "a" / "b" / "ckpt"
+    assert main(["config", "validate", DEMO, "--set", f"checkpoint.uri={ckpt}", "--set", f"run_root={tmp_path / 'runs'}"]) == 0
+    assert capsys.readouterr().out.endswith("OK\n")
+    assert list(tmp_path.iterdir()) == []  # the writability probe removed what it created; no run directory was claimed
 
 
 # --------------------------------------------------------------------------- the run directory
