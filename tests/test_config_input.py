@@ -127,7 +127,9 @@ def test_bad_setting_is_one_line_naming_the_field(capsys, sets, needles):
     ("kill:rank=1,rank=2,step=5", "rank= is given twice"),
     ("kill:rank=1,step=5,where=collective", "unknown key 'where' for kill"),
     ("kill:rank=9,step=5", "rank 9 never exists: the job's largest layout has 4 ranks"),
-    ("kill:rank=1,step=300", "step 300 is never reached: training.steps is 300"),
+    ("kill:rank=1,step=300", "step 300 is never reached: training.steps is 300, and a fault at step S fires before step S+1 runs, "
+                             "so the last is step 299"),
+    ("kill_during_save:step=301", "step 301 is never reached: training.steps is 300, and the last save is at step 300"),
     ("corrupt:step=300", "step 300 is never reached"),
     ("random:count=3,steps=250-400", "can never fire: step"),
     ("random:count=3,ranks=8,steps=5-6", "can never fire: rank"),
