@@ -55,6 +55,31 @@ def test_cli_refuses_an_ignored_dp_shard_and_a_misspelt_fault_key(tmp_path):
     _one_line_error(_elastic("config", "validate", DEMO, "--inject", "random:cuont=2"), "'random:cuont=2'", "unknown key 'cuont'")
 
 
+@pytest.mark.parametrize("args", [("config", "schema"), ("config", "validate", DEMO)], ids=["written-while-running", "flushed-at-the-end"])
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args):
+    """`elastic config schema | head -1`: no BrokenPipeError, whichever command, and 141 as SIGPIPE ends a Unix filter.
+
+    The reader is gone before the first write. A long output breaks while the
+    command prints; a short one stays buffered until the entry point flushes it.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (141, b"")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    import elastic.commands.config as config_command
+
+    def schema(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket or a child's pipe: the command failed
+
+    monkeypatch.setattr(config_command, "_schema", schema)
+    assert main(["config", "schema"]) == 1
+    assert capsys.readouterr().err == "elastic: error: BrokenPipeError: [Errno 32] Broken pipe\n"
+
+
 def test_cli_fresh_leaves_a_foreign_directory_alone(tmp_path):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "notes.txt").write_text("mine")
@@ -70,12 +95,13 @@ def test_cli_ckpt_list_of_a_missing_directory_is_an_error(tmp_path):
 
 def test_cli_plan_into_a_closed_pipe_is_quiet():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "elastic", "plan", "--json", "--params", "7e9", "--gpus", "64", "--top", "50"],
+    # 85 kB of JSON: more than a pipe holds, so the reader's going is seen while it prints
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "plan", "--json", "--params", "7e9", "--gpus", "64", "--top", "1000"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"{"  # then stop reading, as `| head -1` does
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 0 and stderr == "", stderr
+    assert proc.wait(timeout=60) == 141 and stderr == "", stderr
 
 
 # --------------------------------------------------------------------------- one line, naming the field
