@@ -195,6 +195,24 @@ def test_validate_prints_the_layout_and_the_idle_workers(capsys):
                    "1 of 3 workers idle (3 is no multiple of tp*pp (2)); the idle workers' slots stay reserved and unused", "OK"]
 
 
+def test_run_prints_the_layout_before_the_job_starts(tmp_path, capsys, monkeypatch):
+    import elastic.job
+
+    printed = []
+
+    def run_job(cfg, inject, **kwargs):
+        printed.append(capsys.readouterr().out)  # what `elastic run` has printed by the time the job starts
+        return {"state": "FINISHED", "steps_completed": 0, "initial_loss": None, "final_loss": None, "world_sizes": [2],
+                "samples": None, "goodput": 0.0, "failures": []}
+
+    monkeypatch.setattr(elastic.job, "run_job", run_job)
+    sets = ["parallel.tp=2", "scaling.num_workers=3", "scaling.workers_per_node=0", "fault.inject=[]", f"run_root={tmp_path}"]
+    assert main(["run", DEMO, *[a for s in sets for a in ("--set", s)]]) == 0
+    (layout_line,) = printed[0].splitlines()
+    assert layout_line == check_job(load_config(DEMO, sets)).summary and layout_line.startswith("layout tp=2 on 2 workers")
+    assert "1 of 3 workers idle" in layout_line
+
+
 def test_unwritable_checkpoint_uri_is_said_once(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     uri = tmp_path / "f" / "sub"
