@@ -87,7 +87,8 @@ def check_start(cfg: JobConfig, inject: list[str] | None = None, *, fresh: bool 
     """Everything that can fail before a worker starts, changing nothing: what `elastic config validate` and `elastic run` both check.
 
     After `check_job`: the model builds and allows the layout, checkpoint.uri
-    is writable (a probe that leaves nothing behind), the data resolves and
+    is writable (a probe that leaves nothing behind but, on S3, the bucket it
+    creates when missing, as a run would), the data resolves and
     its token ids fit the model, and model.init_from holds a tensor of the
     right shape for every parameter when the job starts from it (no
     checkpoint to resume from, or `fresh`, which deletes them). It takes no

@@ -320,8 +320,8 @@ def check_writable(uri: str, *, storage_options: dict | None = None, what: str =
 
     The probe leaves nothing behind: its file is removed, and so are the
     local directories it had to create, so a check that does not run the job
-    (`elastic config validate`) changes nothing; a job creates them again
-    when it takes its lease.
+    (`elastic config validate`) changes nothing there; a job creates them
+    again when it takes its lease. (On S3 a missing bucket is created, and stays.)
     """
     try:
         store = Store(uri, storage_options)
