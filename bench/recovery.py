@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 
 STEPS = 30
 EVERY = 5  # checkpoint every this many steps (all systems that checkpoint)
-FAULT_STEP = 12  # the fault fires at the start of this step (2 steps after the checkpoint of step 10)
+FAULT_STEP = 12  # the fault fires once this many steps are done (2 after the checkpoint of step 10), before the next
 FAULT_RANK = 1
 
 

@@ -2,14 +2,19 @@
 
 Each subcommand lives in `elastic/commands/<name>.py` and exposes
 `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
-Exit codes: 0 success, 1 the job (or check) failed, 2 bad usage or config.
-Errors print on one line; `--debug` shows the traceback.
+Exit codes: 0 success, 1 the job (or check) failed, 2 bad usage or config,
+141 the reader of stdout closed the pipe early (`elastic config schema | head -1`),
+as SIGPIPE ends a Unix filter, without a message. Errors print on one line;
+`--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
+import signal
 import sys
 
 from elastic.errors import ConfigError, UsageError
@@ -39,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe is found here, not in Python's flush at exit (which prints a traceback)
+        return code
     except (ConfigError, UsageError) as exc:
         if args.debug:
             raise
@@ -49,10 +56,29 @@ def main(argv: list[str] | None = None) -> int:
         print("elastic: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - one line for the user, the traceback with --debug
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():  # else a socket or a child's pipe broke: an error
+            return _reader_gone()
         if args.debug:
             raise
         print(f"elastic: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone: poll says so (POLLERR) without writing anything."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # replaced by an object without a descriptor (main called with stdout captured)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _reader_gone() -> int:
+    """Stop quietly: what is still buffered, and Python's flush at exit, go to /dev/null instead of raising again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fault injection specs: `KIND:key=value,...`, from `--inject` or `fault.inject` in the YAML.
 
 Kinds and the keys each takes (rank defaults to 0; step is required):
-- `kill:rank=R,step=S`     the worker SIGKILLs its own process at the start of step S
+- `kill:rank=R,step=S`     the worker SIGKILLs its own process once S steps are done, before step S+1
 - `node:rank=R,step=S[,back=T][,peer=1]`  the controller removes the Ray node that hosts rank R when it reaches
                            step S; with back=T a fresh node joins T seconds later (a spot node returning); with
                            peer=1 the node that holds its memory-tier replicas goes at the same moment
@@ -19,7 +19,9 @@ key given twice or one its kind does not use, a character that belongs in no key
 `unreachable` refuses a fault that can never fire: a rank that no layout of the job has, or a step
 the job never reaches.
 
-A fault fires once: it belongs to the first generation that reaches its step.
+A fault fires once: it belongs to the first generation that reaches its step. Step numbers count
+completed optimizer steps, as everywhere (README, "Step numbers"): a fault at step S fires when S steps
+are done (step=0: before the first step), and the report shows it at step S.
 """
 
 from __future__ import annotations
@@ -200,15 +202,25 @@ def parse_faults(specs: list[str], *, first_id: int = 0, steps: int | None = Non
 def unreachable(fault: Fault, steps: int, max_world: int) -> str | None:
     """Why `fault` can never fire in a job of `steps` steps whose layouts never exceed `max_world` ranks, or None.
 
-    Steps count from 0 as the trainer runs them (0..steps-1). A kill, node or
-    hang fault fires at the start of its step; a corrupt fault after that
-    step completes; a kill during save at the first save at or after its
-    step, and the last save is at `steps`.
+    A fault at step S fires once S steps are done. A kill, node or hang fault
+    fires before the next step, so the last one that fires is at steps-1
+    (before the last step); a corrupt fault arms for the next restore, which
+    only a failure in a later step brings, so its last step is steps-1 too;
+    a kill during save fires at the first save at or after its step, and the
+    last save is at `steps`.
     """
     last = steps if fault.kind == "kill_during_save" else steps - 1
     if fault.step > last:
-        return f"step {fault.step} is never reached: training.steps is {steps}, so steps run 0..{steps - 1}" + (
-            f" and the last save is at {steps}" if fault.kind == "kill_during_save" else "")
+        return f"step {fault.step} is never reached: training.steps is {steps}, and {_last_step(fault.kind, steps)}"
     if fault.kind != "corrupt" and fault.rank >= max_world:
         return f"rank {fault.rank} never exists: the job's largest layout has {max_world} ranks (0..{max_world - 1})"
     return None
+
+
+def _last_step(kind: str, steps: int) -> str:
+    """The last step a fault of `kind` can fire at, and why, in a job of `steps` steps."""
+    if kind == "kill_during_save":
+        return f"the last save is at step {steps}"
+    if kind == "corrupt":
+        return f"only a failure in a later step restores a checkpoint, so the last is step {steps - 1}"
+    return f"a fault at step S fires before step S+1 runs, so the last is step {steps - 1}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import ray
 
@@ -13,57 +12,35 @@ from elastic.cluster import cluster_address, connect
 from elastic.config import MAX_SIMULATED_NODES, ConfigError, JobConfig
 from elastic.controller import Controller, State
 from elastic import rundir
-from elastic.data import DataInfo, describe, resume_position
+from elastic.data import DataInfo, resume_position
 from elastic.events import EventLog
 from elastic.metrics import RayMetrics
-from elastic.preflight import check_job
+from elastic.preflight import check_start
 from elastic.progress import ProgressPrinter
-from elastic.recipe import check_init_from, check_model
 from elastic.rendezvous import open_store
 from elastic.report import build_report, write_report
 from elastic.sched import batch_what_starts_here
 from elastic.worker_group import RayWorkerGroup
 
 
-def _absolute_local_uri(uri: str) -> str:
-    """Relative paths are resolved against the driver's directory: workers may run elsewhere."""
-    if "://" in uri:
-        return uri
-    return str(Path(uri).resolve())
-
-
 def prepare(cfg: JobConfig, inject: list[str] | None = None, fresh: bool = False) -> tuple[JobConfig, list, DataInfo, rundir.RunClaim]:
-    """Validate everything that can fail before any worker starts, resolve the data once, and claim the run directory and the checkpoint URI.
+    """Check everything that can fail before any worker starts, then claim the run directory and the checkpoint URI.
 
-    The layout and fault checks are `elastic.preflight.check_job`'s (the ones
-    `elastic config validate` runs); the data is indexed once (`DataInfo`);
-    the run directory and the checkpoint URI are claimed for this invocation
-    (`elastic.rundir.open_run`: leases, the marker, `fresh`, no mixing with an
-    earlier run). Every problem is a ConfigError naming the field; the caller
-    releases the claim.
+    The checks are `elastic.preflight.check_start`'s, the ones `elastic
+    config validate` runs (layout, faults, model, checkpoint URI, data,
+    initial weights; the data is indexed once, `DataInfo`); the run directory
+    and the checkpoint URI are then claimed for this invocation
+    (`elastic.rundir.open_run`: leases, the marker, `fresh`, no mixing with
+    an earlier run). Every problem is a ConfigError naming the field; the
+    caller releases the claim.
     """
-    faults = check_job(cfg, inject).faults
-    check_model(cfg)
-    cfg = cfg.model_copy(deep=True)
-    cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
-    if cfg.model.init_from:
-        cfg.model.init_from = _absolute_local_uri(cfg.model.init_from)
-    try:
-        storage.check_writable(cfg.checkpoint.uri)
-    except storage.CheckpointError as exc:  # its message names the URI and the reason
-        raise ConfigError(f"checkpoint.uri: {exc}") from None
-    data = describe(cfg)
+    checked = check_start(cfg, inject, fresh=fresh)
+    cfg = checked.cfg
     try:
         claim = rundir.open_run(cfg, fresh=fresh)
     except OSError as exc:
         raise ConfigError(f"checkpoint.uri: cannot delete the checkpoints under {cfg.checkpoint.uri} (--fresh): {exc}") from None
-    try:
-        if cfg.model.init_from and not (cfg.checkpoint.resume and storage.list_checkpoints(cfg.checkpoint.uri)):
-            check_init_from(cfg)  # the job starts from these weights: find out now, not on every rank
-    except BaseException:
-        claim.release()
-        raise
-    return cfg, faults, data, claim
+    return cfg, checked.job.faults, checked.data, claim
 
 
 def run_job(cfg: JobConfig, inject: list[str] | None = None, *, address: str | None = None, fresh: bool = False, quiet: bool = False) -> dict:

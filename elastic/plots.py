@@ -42,7 +42,7 @@ def plot_loss(report: dict, tl: RunTimeline, path: Path) -> Path:
     fig, ax = _figure()
     ax.plot(tl.kept_steps, tl.kept_losses, color=COLORS["training"], linewidth=1.2, label="loss (kept steps)")
     if tl.eval_steps:
-        # After k steps: the weights whose training loss step k (counting from 0) reports.
+        # An evaluation after k steps sees the weights that step k+1's training loss is computed with (before its update).
         ax.plot(tl.eval_steps, tl.eval_losses, color=COLORS["eval"], marker="o", markersize=4, linewidth=1.2,
                 label="held-out loss")
     if tl.rolled_back:

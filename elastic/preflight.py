@@ -1,21 +1,28 @@
-"""Checks of a whole job that need the layout planner, done before any worker starts.
+"""Checks of a whole job, done before any worker starts.
 
 The pydantic config checks each field and the sections against each other;
-this module checks what only the planner knows: which layout the job starts
+`check_job` checks what only the planner knows: which layout the job starts
 with and how many workers that leaves idle, that an explicit
 `parallel.dp_shard` is the layout that runs, and that every injected fault
 can fire (its rank exists in the job's largest layout, its step is reached).
-`elastic config validate` and `elastic run` (through `elastic.job.prepare`)
-run the same `check_job`, so what validates is what runs.
+`check_start` adds what needs the job's files: the model, the checkpoint
+URI, the data and the initial weights. `elastic config validate` and
+`elastic run` (through `elastic.job.prepare`) run the same `check_start`, so
+what validates is what runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.config import ConfigError, JobConfig
 from elastic.faults import Fault, FaultSpecError, parse_faults
 from elastic.layout import Layout, LayoutError
+
+if TYPE_CHECKING:
+    from elastic.data import DataInfo
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ def check_job(cfg: JobConfig, inject: list[str] | None = None) -> JobCheck:
     summary = reason
     if s.upper > s.num_workers:
         summary += f"; at scaling.max_workers ({s.upper}): {grown.removeprefix('layout ')}"
+    if layout.world_size < s.num_workers or largest.world_size < s.upper:
+        summary += "; the idle workers' slots stay reserved and unused"
     faults: list[Fault] = []
     for field, specs in (("fault.inject", cfg.fault.inject), ("--inject", inject or [])):
         try:
@@ -61,3 +70,53 @@ def check_job(cfg: JobConfig, inject: list[str] | None = None) -> JobCheck:
         except FaultSpecError as exc:
             raise ConfigError(f"{field} {exc}") from None
     return JobCheck(faults=faults, layout=layout, max_world=largest.world_size, summary=summary)
+
+
+@dataclass(frozen=True)
+class StartCheck:
+    """A job that passed every check `elastic run` makes before it claims its run directory."""
+
+    cfg: JobConfig
+    """The job's config with its local paths (checkpoint.uri, model.init_from) absolute: workers may run elsewhere."""
+    job: JobCheck
+    data: DataInfo
+    """The job's data, resolved and indexed once."""
+
+
+def check_start(cfg: JobConfig, inject: list[str] | None = None, *, fresh: bool = False) -> StartCheck:
+    """Everything that can fail before a worker starts, changing nothing: what `elastic config validate` and `elastic run` both check.
+
+    After `check_job`: the model builds and allows the layout, checkpoint.uri
+    is writable (a probe that leaves nothing behind but, on S3, the bucket it
+    creates when missing, as a run would), the data resolves and
+    its token ids fit the model, and model.init_from holds a tensor of the
+    right shape for every parameter when the job starts from it (no
+    checkpoint to resume from, or `fresh`, which deletes them). It takes no
+    lease, claims no run directory (`elastic.rundir.open_run` does, for a
+    run) and starts no Ray. Every problem is a ConfigError naming the field.
+    """
+    import storage  # these build the model and read the data: imported when used, not by every CLI command
+    from elastic.data import describe
+    from elastic.recipe import check_init_from, check_model
+
+    job = check_job(cfg, inject)
+    check_model(cfg)
+    cfg = cfg.model_copy(deep=True)
+    cfg.checkpoint.uri = _absolute_local_uri(cfg.checkpoint_uri)
+    if cfg.model.init_from:
+        cfg.model.init_from = _absolute_local_uri(cfg.model.init_from)
+    try:
+        storage.check_writable(cfg.checkpoint.uri, what="checkpoint.uri")
+    except storage.CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    data = describe(cfg)
+    if cfg.model.init_from and (fresh or not (cfg.checkpoint.resume and storage.list_checkpoints(cfg.checkpoint.uri))):
+        check_init_from(cfg)  # the job starts from these weights: find out now, not on every rank
+    return StartCheck(cfg, job, data)
+
+
+def _absolute_local_uri(uri: str) -> str:
+    """Relative paths are resolved against the driver's directory: workers may run elsewhere."""
+    if "://" in uri:
+        return uri
+    return str(Path(uri).resolve())

@@ -9,9 +9,11 @@ verifies, falling back to older ones and saying why.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import uuid
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from storage.format import (
     INDEX,
@@ -313,16 +315,37 @@ def corrupt_newest(uri: str, *, seed: int = 0, storage_options: dict | None = No
     return None
 
 
-def check_writable(uri: str, *, storage_options: dict | None = None) -> None:
-    """Fail early, with a clear message, when checkpoints cannot be written under `uri`."""
+def check_writable(uri: str, *, storage_options: dict | None = None, what: str = "checkpoint URI") -> None:
+    """Fail early, with one message naming `what` and `uri`, when checkpoints cannot be written under `uri`.
+
+    The probe leaves nothing behind: its file is removed, and so are the
+    local directories it had to create, so a check that does not run the job
+    (`elastic config validate`) changes nothing there; a job creates them
+    again when it takes its lease. (On S3 a missing bucket is created, and stays.)
+    """
     try:
         store = Store(uri, storage_options)
-        store.makedirs()
-        probe = f".write-probe-{uuid.uuid4().hex}"
-        store.write(probe, [b"ok"])
-        ok = store.read(probe) == b"ok"
-        store.remove(probe)
+        created = _missing_dirs(store.local) if store.local is not None else []
+        try:
+            store.makedirs()
+            probe = f".write-probe-{uuid.uuid4().hex}"
+            store.write(probe, [b"ok"])
+            ok = store.read(probe) == b"ok"
+            store.remove(probe)
+        finally:
+            for directory in created:
+                with contextlib.suppress(OSError):  # something else was put there meanwhile: it stays
+                    directory.rmdir()
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing to the user
-        raise CheckpointError(f"checkpoint URI {uri} is not writable: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{what} {uri} is not writable: {type(exc).__name__}: {exc}") from None
     if not ok:
-        raise CheckpointError(f"checkpoint URI {uri} is not writable: a probe file did not read back")
+        raise CheckpointError(f"{what} {uri} is not writable: a probe file did not read back")
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing

@@ -40,6 +40,9 @@ OPTIMIZER_BYTES = BYTES_PER_PARAM - 2 * WEIGHT_BYTES
 HEAD_DIM = 128
 """Head size assumed when only a parameter count is known (most current LLMs use 128)."""
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "hsdp")
+RUNNABLE = frozenset({"zero2", "zero3", "hsdp"})
+"""The strategies of STRATEGIES the runtime runs (FSDP2: zero3 and hsdp, zero2 with parallel.reshard_after_forward
+false); the model state under plain DP and ZeRO-1 is shown for comparison only."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -48,9 +51,12 @@ class Hardware:
     """The cluster: how many GPUs, how they are grouped into nodes, their memory, links and speed.
 
     Bandwidths are bytes per second a GPU can send over that link class
-    (NVLink-class inside a node, network between nodes); `flops` is the dense
-    bf16 throughput one GPU sustains, used only to weigh the pipeline bubble
-    against communication time.
+    (NVLink-class inside a node, network between nodes). Compute is the
+    dense bf16 peak of one GPU (`peak_flops`) times the share of it a step
+    sustains (`mfu`, model FLOPs utilisation): a step never runs at the
+    peak, and the compute estimate (which weighs the pipeline bubble against
+    communication time) would otherwise be too short by 1 / mfu (2.5x at
+    the default).
     """
 
     gpus: int
@@ -58,12 +64,22 @@ class Hardware:
     gpu_mem_bytes: float = 80e9
     intra_bw: float = 900e9
     inter_bw: float = 50e9
-    flops: float = 312e12
+    peak_flops: float = 312e12
+    """An A100's dense bf16 peak."""
+    mfu: float = 0.4
+    """What well-tuned large training runs sustain of the peak (`elastic plan --mfu` sets it)."""
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node", "gpu_mem_bytes", "intra_bw", "inter_bw", "flops"):
+        for name in ("gpus", "gpus_per_node", "gpu_mem_bytes", "intra_bw", "inter_bw", "peak_flops"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {name} must be > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.mfu) and 0 < self.mfu <= 1):
+            raise ValueError(f"hardware mfu {self.mfu} must be a share of the peak in (0, 1]")
+
+    @property
+    def flops(self) -> float:
+        """The dense throughput one GPU sustains in a step: `peak_flops` x `mfu`."""
+        return self.peak_flops * self.mfu
 
 
 @dataclass(frozen=True)

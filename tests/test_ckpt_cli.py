@@ -62,3 +62,13 @@ def test_bad_usage(tmp_path, capsys):
     assert main(["ckpt", "verify", str(tmp_path), "--all", "--step", "1"]) == 2
     assert main(["ckpt", "inspect", str(tmp_path), "--step", "7"]) == 1
     assert "step 7 is not a committed checkpoint" in capsys.readouterr().err
+
+
+def test_a_path_that_does_not_exist_is_an_error_an_empty_one_is_not(tmp_path, capsys):
+    missing = str(tmp_path / "nonexistent")
+    for argv in (["list", missing], ["inspect", missing], ["inspect", missing, "--step", "3"], ["verify", missing], ["verify", missing, "--all"]):
+        assert main(["ckpt", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"elastic: error: {missing}: no such directory\n", (argv, err)
+    assert main(["ckpt", "list", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"no committed checkpoints under {tmp_path}\n"

@@ -55,6 +55,31 @@ def test_cli_refuses_an_ignored_dp_shard_and_a_misspelt_fault_key(tmp_path):
     _one_line_error(_elastic("config", "validate", DEMO, "--inject", "random:cuont=2"), "'random:cuont=2'", "unknown key 'cuont'")
 
 
+@pytest.mark.parametrize("args", [("config", "schema"), ("config", "validate", DEMO)], ids=["written-while-running", "flushed-at-the-end"])
+def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args):
+    """`elastic config schema | head -1`: no BrokenPipeError, whichever command, and 141 as SIGPIPE ends a Unix filter.
+
+    The reader is gone before the first write. A long output breaks while the
+    command prints; a short one stays buffered until the entry point flushes it.
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=120), err) == (141, b"")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    import elastic.commands.config as config_command
+
+    def schema(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket or a child's pipe: the command failed
+
+    monkeypatch.setattr(config_command, "_schema", schema)
+    assert main(["config", "schema"]) == 1
+    assert capsys.readouterr().err == "elastic: error: BrokenPipeError: [Errno 32] Broken pipe\n"
+
+
 def test_cli_fresh_leaves_a_foreign_directory_alone(tmp_path):
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "notes.txt").write_text("mine")
@@ -70,12 +95,13 @@ def test_cli_ckpt_list_of_a_missing_directory_is_an_error(tmp_path):
 
 def test_cli_plan_into_a_closed_pipe_is_quiet():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "elastic", "plan", "--json", "--params", "7e9", "--gpus", "64", "--top", "50"],
+    # 85 kB of JSON: more than a pipe holds, so the reader's going is seen while it prints
+    proc = subprocess.Popen([sys.executable, "-m", "elastic", "plan", "--json", "--params", "7e9", "--gpus", "64", "--top", "1000"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.readline().strip() == b"{"  # then stop reading, as `| head -1` does
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=60) == 0 and stderr == "", stderr
+    assert proc.wait(timeout=60) == 141 and stderr == "", stderr
 
 
 # --------------------------------------------------------------------------- one line, naming the field
@@ -133,7 +159,9 @@ def test_bad_setting_is_one_line_naming_the_field(capsys, sets, needles):
     ("kill:rank=1,rank=2,step=5", "rank= is given twice"),
     ("kill:rank=1,step=5,where=collective", "unknown key 'where' for kill"),
     ("kill:rank=9,step=5", "rank 9 never exists: the job's largest layout has 4 ranks"),
-    ("kill:rank=1,step=300", "step 300 is never reached: training.steps is 300"),
+    ("kill:rank=1,step=300", "step 300 is never reached: training.steps is 300, and a fault at step S fires before step S+1 runs, "
+                             "so the last is step 299"),
+    ("kill_during_save:step=301", "step 301 is never reached: training.steps is 300, and the last save is at step 300"),
     ("corrupt:step=300", "step 300 is never reached"),
     ("random:count=3,steps=250-400", "can never fire: step"),
     ("random:count=3,ranks=8,steps=5-6", "can never fire: rank"),
@@ -197,14 +225,58 @@ def test_validate_prints_the_layout_and_the_idle_workers(capsys):
     assert main(["config", "validate", DEMO, *[a for s in sets for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out == ["layout tp=2 on 2 workers (kept tp=2 pp=1); global batch 32 = dp 1 x 4 micro-batches of 8; "
-                   "1 of 3 workers idle (3 is no multiple of tp*pp (2))", "OK"]
+                   "1 of 3 workers idle (3 is no multiple of tp*pp (2)); the idle workers' slots stay reserved and unused", "OK"]
+
+
+def test_run_prints_the_layout_before_the_job_starts(tmp_path, capsys, monkeypatch):
+    import elastic.job
+
+    printed = []
+
+    def run_job(cfg, inject, **kwargs):
+        printed.append(capsys.readouterr().out)  # what `elastic run` has printed by the time the job starts
+        return {"state": "FINISHED", "steps_completed": 0, "initial_loss": None, "final_loss": None, "world_sizes": [2],
+                "samples": None, "goodput": 0.0, "failures": []}
+
+    monkeypatch.setattr(elastic.job, "run_job", run_job)
+    sets = ["parallel.tp=2", "scaling.num_workers=3", "scaling.workers_per_node=0", "fault.inject=[]", f"run_root={tmp_path}"]
+    assert main(["run", DEMO, *[a for s in sets for a in ("--set", s)]]) == 0
+    (layout_line,) = printed[0].splitlines()
+    assert layout_line == check_job(load_config(DEMO, sets)).summary and layout_line.startswith("layout tp=2 on 2 workers")
+    assert "1 of 3 workers idle" in layout_line
 
 
 def test_unwritable_checkpoint_uri_is_said_once(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
-    code = main(["run", DEMO, "--set", f"checkpoint.uri={tmp_path / 'f' / 'sub'}", "--set", f"run_root={tmp_path}"])
+    uri = tmp_path / "f" / "sub"
+    code = main(["run", DEMO, "--set", f"checkpoint.uri={uri}", "--set", f"run_root={tmp_path}"])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("not writable") == 1 and err.startswith("elastic: error: checkpoint.uri: "), err
+    assert code == 2 and err.startswith(f"elastic: error: checkpoint.uri {uri} is not writable: "), err
+    assert err.count("not writable") == 1 and "checkpoint URI" not in err, err  # the OS error after it names the path it failed at
+
+
+@pytest.mark.parametrize("sets", [
+    ["checkpoint.uri=/proc/nope"],
+    ["data.kind=tokens", "data.path=/nonexistent/corpus"],
+    ["model.init_from=/nonexistent/weights"],
+], ids=["checkpoint.uri", "data.path", "model.init_from"])
+def test_validate_refuses_what_run_refuses_before_a_worker_starts(tmp_path, capsys, sets):
+    args = [a for s in [*sets, f"run_root={tmp_path}"] for a in ("--set", s)]
+    assert main(["config", "validate", DEMO, *args]) == 2
+    validate = capsys.readouterr()
+    assert main(["run", DEMO, *args]) == 2
+    run = capsys.readouterr()
+    field = sets[-1].split("=")[0]
+    assert validate.err == run.err and validate.err.startswith(f"elastic: error: {field}") and validate.err.count("\n") == 1, (validate, run)
+    assert "OK" not in validate.out
+    assert list(tmp_path.iterdir()) == []  # validate claimed no run directory, and run refused before it did
+
+
+def test_validate_leaves_no_directory_behind(tmp_path, capsys):
+    ckpt = tmp_path / "a" / "b" / "ckpt"
+    assert main(["config", "validate", DEMO, "--set", f"checkpoint.uri={ckpt}", "--set", f"run_root={tmp_path / 'runs'}"]) == 0
+    assert capsys.readouterr().out.endswith("OK\n")
+    assert list(tmp_path.iterdir()) == []  # the writability probe removed what it created; no run directory was claimed
 
 
 # --------------------------------------------------------------------------- the run directory

@@ -8,6 +8,7 @@ capacity. The checkpoints it commits through the controller are real.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import storage
@@ -15,7 +16,10 @@ from elastic.config import load_config
 from elastic.controller import Controller, State
 from elastic.data import DataInfo, GlobalSampler
 from elastic.events import EventLog
+from elastic.faults import Fault, parse_faults
 from elastic.messages import RankState, RankStatus, StackDump
+from elastic.report import build_report
+from elastic.train import _fault_signal
 from elastic.worker_group import RanksUnreachable
 
 
@@ -262,4 +266,68 @@ def test_node_lost_as_a_resize_begins_is_a_failure_the_policy_decides(tmp_path):
     assert failure["detected_as"] == "rank_died" and failure["rank"] == 0 and "ActorDiedError" in ctrl.events.of("failure_detected")[0]["detail"]
     group.unreachable_at_stop = []
     assert _run(ctrl)[-1] is State.FINISHED
+    _ledger_clean(ctrl)
+
+
+class SignalStore:
+    """What fault signals use of the rendezvous store: a rank sets `fault/ID`, the controller checks and reads it."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+
+class FaultingGroup(ScriptedGroup):
+    """Scripted ranks that carry out the kill faults of their specs as `elastic.train.Trainer` does.
+
+    Before running the step at loop index S (S steps done), the faulty rank
+    signals the store with `elastic.train._fault_signal`, then dies.
+    """
+
+    def __init__(self, cfg, capacity: int, store: SignalStore):
+        super().__init__(cfg, capacity)
+        self.store = store
+        self.faults: list[Fault] = []
+
+    def start(self, layout, specs, **kwargs) -> None:
+        super().start(layout, specs, **kwargs)
+        self.faults = [Fault(**f) for f in specs[0]["faults"] if f["kind"] == "kill"]
+
+    def poll(self, timeout_s: float) -> list[RankStatus]:
+        for fault in [f for f in self.faults if f.step == self.step]:
+            _fault_signal(self.store, fault, self.step)
+            self.kill_rank_at[self.step] = fault.rank
+            self.faults.remove(fault)
+        return super().poll(timeout_s)
+
+
+def test_a_fault_injected_at_step_20_is_reported_at_step_20(tmp_path):
+    """The README's convention: a fault at step 20 fires once 20 steps are done, and every record of it says 20."""
+    scripted, _, clock = _setup(tmp_path, **{"training.steps": 24, "checkpoint.every_steps": 8})
+    scripted.checkpoints.close()  # only its config, event log and clock are used
+    store = SignalStore()
+    faults = parse_faults(["kill:rank=1,step=20"], steps=24, max_world=4)
+    ctrl = Controller(scripted.cfg, FaultingGroup(scripted.cfg, 4, store), scripted.events, faults=faults, fault_store=store, clock=clock)
+    assert _run(ctrl)[-1] is State.FINISHED
+    first_generation = [e["step"] for e in ctrl.events.of("step") if e["generation"] == 1]
+    assert first_generation == list(range(1, 21))  # 20 steps done when rank 1 died
+    (injected,) = ctrl.events.of("fault_injected")
+    assert injected["step"] == injected["at_step"] == 20
+    report = build_report(ctrl)
+    assert [(f["step"], f["rank"]) for f in report["faults"]] == [(20, 1)]
+    (failure,) = report["failures"]
+    assert (failure["kind"], failure["step"], failure["fault_step"]) == ("kill", 20, 20)
+    assert (failure["resume_step"], failure["lost_steps"]) == (16, 4)
+    # The scripted ranks save synchronously (no stall of their own): each commit's stall is its 0.01 s save.
+    assert report["checkpoints_committed"] == [8, 16, 24]
+    assert report["checkpoint_stall_s"] == pytest.approx(0.03)
+    assert report["checkpoint_commit_s"] > 0
     _ledger_clean(ctrl)

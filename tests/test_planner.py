@@ -328,11 +328,34 @@ def test_plan_states_the_utilisation_it_assumes_and_labels_what_the_runtime_cann
     at_20 = json.loads(capsys.readouterr().out)
     assert at_40["hardware"]["mfu"] == 0.4 and at_20["hardware"]["mfu"] == 0.2
     assert at_20["layouts"][0]["compute_s"] == pytest.approx(2 * at_40["layouts"][0]["compute_s"])
+    assert at_40["hardware"]["peak_flops"] == 312e12 and at_40["hardware"]["flops"] == pytest.approx(0.4 * 312e12)
+    assert at_40["runnable"] == {"dp": False, "zero1": False, "zero2": True, "zero3": True, "hsdp": True}
+    assert at_40["runnable"].keys() == at_40["layouts"][0]["model_state"].keys()
     assert main(argv[:-1]) == 0
     table = capsys.readouterr().out
     assert "compute at 40% of 312 TFLOP/s peak" in table and "DP*" in table and "Z1*" in table
     assert "for comparison only" in table
     assert main(argv[:-1] + ["--mfu", "1.5"]) == 2
+
+
+def test_the_library_default_assumes_a_realistic_utilisation_not_the_peak():
+    """`Hardware` without `mfu` is what `elastic plan` assumes without `--mfu`: 0.4 of an A100's peak, stated apart."""
+    hw = Hardware(gpus=8)
+    assert (hw.peak_flops, hw.mfu, hw.flops) == (312e12, 0.4, pytest.approx(0.4 * 312e12))
+    model = ModelProfile.from_params(7e9, seq_len=2048)
+    entry = evaluate(Layout(dp_shard=8), model, hw, StepOptions(global_batch=8))
+    assert entry.compute_s == pytest.approx(6 * model.params * 8 * 2048 / (8 * 0.4 * 312e12))
+    for mfu in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="mfu"):
+            Hardware(gpus=8, mfu=mfu)
+
+
+@pytest.mark.parametrize("count, text", [(1e12, "1T"), (1.5e12, "1.5T"), (999.9e9, "1T"), (7e9, "7B"), (350e6, "350M"), (1e15, "1e+15")])
+def test_human_count_writes_counts_as_people_do(count, text):
+    from elastic.commands.plan import human_count, parse_count
+
+    assert human_count(count) == text
+    assert parse_count(text) == pytest.approx(float(f"{count:.3g}"))
 
 
 def test_a_guessed_shape_has_heads_that_tp_divides_and_tp_is_constrained_by_them():

@@ -57,6 +57,13 @@ def test_plain_lines_when_not_a_terminal():
     assert lines[-1] == "[finished] last checkpoint at 5 steps"
 
 
+def test_a_recovery_without_a_checkpoint_resumes_from_scratch():
+    out = io.StringIO()
+    printer = ProgressPrinter(10, 512, console=Console(file=out))
+    printer({"t": 3.0, "event": "recovering", "resume_step": None, "lost_steps": 3})  # failed before the first checkpoint
+    assert out.getvalue() == "[recover] resume from scratch, lost 3 steps\n"
+
+
 def test_rich_live_line_on_a_terminal():
     out = io.StringIO()
     printer = ProgressPrinter(10, 512, console=Console(file=out, force_terminal=True, width=160))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastic.cli import main
-from elastic.commands.report import analyse, load_run
+from elastic.commands.report import analyse, load_run, summary_rows
 
 T0 = 1_700_000_000.0
 STEP_S = 0.1
@@ -45,8 +45,9 @@ def make_run(run_dir: Path, steps: int = 60) -> Path:
             emit("step", STEP_S, step=s + 1, loss=_loss(s) + 0.01 * generation, generation=generation, world_size=world,
                  step_s=STEP_S, grad_norm=1.0)
             if (s + 1) % 10 == 0:
-                # The ranks waited 0.01 s (their stall); the controller's commit took 0.05 s in the background.
-                emit("checkpoint_committed", 0.01, step=s + 1, stall_s=0.01, commit_s=0.05, generation=generation)
+                # A synchronous save: the ranks waited 0.01 s between steps (their stall, its whole save); the
+                # controller's commit took 0.05 s in the background.
+                emit("checkpoint_committed", 0.01, step=s + 1, save_s=0.01, stall_s=0.01, commit_s=0.05, generation=generation)
 
     emit("job_start", config={"name": "synthetic"}, faults=[{"kind": "node", "rank": 3, "step": 36}])
     emit("state", state="SCHEDULING", previous="SCHEDULING", generation=0)
@@ -129,6 +130,49 @@ def test_time_breakdown_is_derived_from_events(run_dir: Path) -> None:
     assert [(m.step, m.label) for m in tl.failures] == [(36, "node rank 3")]
     assert [(m.step, m.label) for m in tl.resizes] == [(30, "4 -> 2 workers")]
     assert [w for _, w in tl.world] == [0, 4, 0, 2]
+
+
+def _async_run() -> list[dict]:
+    """Events of 8 one-second steps with an async save at step 4 and the final, synchronous save at step 8.
+
+    The ranks wait 0.5 s for the async save's copy inside step 5 (1.5 s); the final save writes for 1 s after
+    step 8; the controller then commits it in 0.2 s, which nothing else accounts for ("other").
+    """
+    events: list[dict] = []
+
+    def emit(t: float, event: str, **fields) -> None:
+        events.append({"t": T0 + t, "event": event, **fields})
+
+    emit(0.0, "job_start", cluster_s=0.0, config={"name": "async"})
+    emit(0.0, "generation_start", generation=1, world_size=2, layout=LAYOUT2, resume_step=None, available=2, reason="start")
+    t = 1.0  # start-up: the first step starts here
+    for step in range(1, 9):
+        t += 1.5 if step == 5 else 1.0
+        emit(t, "step", step=step, loss=_loss(step), generation=1, world_size=2, step_s=1.5 if step == 5 else 1.0, grad_norm=1.0)
+        if step == 5:  # the async save of step 4, committed in the background while step 6 runs
+            emit(t + 0.3, "checkpoint_committed", step=4, save_s=1.2, stall_s=0.5, commit_s=0.3, generation=1)
+    emit(t + 1.2, "checkpoint_committed", step=8, save_s=1.0, stall_s=1.0, commit_s=0.2, generation=1)
+    emit(t + 1.2, "state", state="FINISHED", previous="RUNNING", generation=1)
+    emit(t + 1.5, "job_end", state="FINISHED")
+    return events
+
+
+def test_async_checkpoint_stall_is_counted_once_in_the_breakdown() -> None:
+    from elastic.commands.report import report_from_events
+
+    events = _async_run()
+    report = report_from_events(events)
+    assert report["checkpoint_stall_s"] == pytest.approx(1.5)  # the ranks' waits: 0.5 inside step 5, 1.0 after step 8
+    assert report["checkpoint_commit_s"] == pytest.approx(0.5)  # the controller's background commits
+    parts = analyse(report, events).breakdown
+    assert report["wall_s"] == pytest.approx(11.0)
+    assert parts["training"] == pytest.approx(8.5 - 0.5)  # the kept steps without the stall inside step 5
+    assert parts["checkpoint stall"] == pytest.approx(1.5)
+    assert (parts["start-up"], parts["shutdown"]) == (pytest.approx(1.0), pytest.approx(0.3))
+    assert parts["other"] == pytest.approx(0.2)  # the last commit, which nothing else holds
+    assert sum(parts.values()) == pytest.approx(report["wall_s"])
+    rows = dict(summary_rows(report))
+    assert rows["checkpoint time"] == "ranks stalled 1.50 s for their saves; commits took 0.50 s in the background"
 
 
 def test_plots_are_valid_pngs_of_a_sensible_size(run_dir: Path, capsys) -> None:

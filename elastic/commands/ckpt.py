@@ -84,12 +84,23 @@ def _created(unix: float | None) -> str:
         return "-"
 
 
-def _list(args) -> int:
-    entries = storage.list_checkpoints(args.uri)
+def _must_exist(uri: str) -> None:
+    """A UsageError (exit 2) when `uri` does not exist: a mistyped path is not a URI that holds no checkpoints."""
+    why = _absent(uri)
+    if why:
+        raise UsageError(f"{uri}: {why}")
+
+
+def _checkpoints(uri: str) -> list[dict]:
+    """`storage.list_checkpoints(uri)` of a `uri` that exists."""
+    entries = storage.list_checkpoints(uri)
     if not entries:
-        why = _absent(args.uri)
-        if why:
-            raise UsageError(f"{args.uri}: {why}")
+        _must_exist(uri)
+    return entries
+
+
+def _list(args) -> int:
+    entries = _checkpoints(args.uri)
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -105,15 +116,19 @@ def _list(args) -> int:
     return 0
 
 
-def _newest(uri: str) -> int:
-    entries = storage.list_checkpoints(uri)
+def _step(uri: str, step: int | None) -> int:
+    """The checkpoint `--step` names, else the newest committed one, of a `uri` that exists."""
+    if step is not None:
+        _must_exist(uri)
+        return step
+    entries = _checkpoints(uri)
     if not entries:
         raise UsageError(f"no committed checkpoints under {uri}")
     return entries[0]["step"]
 
 
 def _inspect(args) -> int:
-    step = args.step if args.step is not None else _newest(args.uri)
+    step = _step(args.uri, args.step)
     m = storage.read_manifest(args.uri, step)
     if args.json:
         print(json.dumps(m, indent=1))
@@ -134,11 +149,11 @@ def _verify(args) -> int:
     if args.all and args.step is not None:
         raise UsageError("give --step or --all, not both")
     if args.all:
-        steps = [e["step"] for e in storage.list_checkpoints(args.uri)]
+        steps = [e["step"] for e in _checkpoints(args.uri)]
         if not steps:
             raise UsageError(f"no committed checkpoints under {args.uri}")
     else:
-        steps = [args.step if args.step is not None else _newest(args.uri)]
+        steps = [_step(args.uri, args.step)]
     results = []
     for step in steps:
         try:
@@ -184,7 +199,7 @@ def _export(args) -> int:
     import torch
 
     uri, config = _checkpoint_of(args.uri)
-    step = args.step if args.step is not None else _newest(uri)
+    step = _step(uri, args.step)
     manifest = storage.read_manifest(uri, step)
     model = manifest["train_state"].get("model") or (config or {}).get("model")
     dtype = getattr(torch, args.dtype) if args.dtype else None

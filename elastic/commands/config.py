@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from elastic.config import JobConfig, load_config
-from elastic.preflight import check_job
+from elastic.preflight import check_start
 
 REFERENCE_PATH = Path("docs/config-reference.md")
 """Where the committed reference lives, relative to the repository root."""
@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schema = sub.add_parser("schema", help="print the JSON schema of the job config")
     schema.set_defaults(func=_schema)
 
-    validate = sub.add_parser("validate", help="check a job YAML as `elastic run` would: print its layout and OK, or exit 2 with the error")
+    validate = sub.add_parser("validate", help="check a job YAML as `elastic run` would before it starts a worker: "
+                                               "print its layout and OK, or exit 2 with the error")
     validate.add_argument("config", help="job YAML")
     validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                           help="override a config field, as `elastic run --set` does")
@@ -51,9 +52,16 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """The checks `elastic run` does before it starts a worker (a ConfigError becomes `elastic: error: ...`, exit 2)."""
+    """The checks `elastic run` does before it starts a worker, without running anything (a ConfigError becomes `elastic: error: ...`, exit 2).
+
+    `check_start` is the function `elastic.job.prepare` calls: the layout,
+    the faults, the model, the checkpoint URI, the data and the initial
+    weights are checked as a run checks them. What only a run can find out
+    (the run directory and the checkpoint URI free of another job, an
+    earlier run's checkpoints, which `--fresh` decides about) is left to it.
+    """
     cfg = load_config(args.config, args.overrides)
-    print(check_job(cfg, args.inject).summary)
+    print(check_start(cfg, args.inject).job.summary)
     print("OK")
     return 0
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import re
 import sys
 
 from elastic.errors import UsageError
 from elastic.config import load_config
 from elastic.planning import model_inputs, step_options
-from strategies.planner import HEAD_DIM, Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
+from strategies.planner import HEAD_DIM, RUNNABLE, STRATEGIES, Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
 from strategies.schedule_timeline import SCHEDULES, render_timeline, timeline
 
 _SUFFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -108,10 +106,8 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
         else:
             model = ModelProfile.from_params(args.params, seq_len=seq_len, micro_batch=micro_batch)
             check = _guessed_heads_check(model)
-        if not (math.isfinite(args.mfu) and 0 < args.mfu <= 1):
-            raise ValueError(f"--mfu {args.mfu} must be a share of the peak in (0, 1]")
         hardware = Hardware(gpus=gpus, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=args.gpu_mem_gb * 1e9,
-                            intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, flops=args.tflops * 1e12 * args.mfu)
+                            intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9, peak_flops=args.tflops * 1e12, mfu=args.mfu)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return model, hardware, options, check
@@ -152,12 +148,12 @@ def _row(i: int, e: PlanEntry) -> list[str]:
             _gb(e.intra_bytes), _gb(e.inter_bytes), str(e.microbatches), f"{e.bubble:.1%}", f"{e.step_s:.3g}"]
 
 
-def _summary(model: ModelProfile, hw: Hardware, options: StepOptions, shown: int, total: int, mfu: float, guessed: bool) -> str:
+def _summary(model: ModelProfile, hw: Hardware, options: StepOptions, shown: int, total: int, guessed: bool) -> str:
     fits = "activation checkpointing" if options.activation_checkpointing else "full activations"
     shape = f" (shape guessed from the count: {model.dim // HEAD_DIM} heads of {HEAD_DIM})" if guessed else ""
     return (f"{human_count(model.params)} parameters, {model.n_layers} layers, dim {model.dim}{shape}, seq {model.seq_len}, micro-batch {model.micro_batch}; "
             f"{hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_bytes / 1e9:g} GB, {hw.intra_bw / 1e9:g}/{hw.inter_bw / 1e9:g} GB/s intra/inter, "
-            f"compute at {mfu:.0%} of {hw.flops / mfu / 1e12:g} TFLOP/s peak); "
+            f"compute at {hw.mfu:.0%} of {hw.peak_flops / 1e12:g} TFLOP/s peak); "
             f"schedule {options.schedule}; fit with {fits}; best {shown} of {total} layouts. "
             "mem = state (HSDP over dp_shard) + activations + gathered blocks; DP/Z1/Z2/Z3 = model state under plain DP and ZeRO-1/2/3 "
             "over the whole data-parallel group (* for comparison only: the runtime runs Z3, Z2 = parallel.reshard_after_forward false, "
@@ -187,16 +183,6 @@ def _print_table(summary: str, rows: list[list[str]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except BrokenPipeError:
-        # The reader went away (`elastic plan --json | head`): stop quietly, as a Unix filter does. Later
-        # writes (and Python's flush at exit) go to /dev/null instead of raising again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-def _run(args: argparse.Namespace) -> int:
     if args.params is None and args.config is None and args.timeline is None:
         raise UsageError("give --params or --config (or --timeline to draw a schedule)")
     out: dict = {}
@@ -208,10 +194,11 @@ def _run(args: argparse.Namespace) -> int:
                              f"and global batch {options.global_batch}")
         shown = entries[: args.top]
         if args.json:
-            out.update(model={**model.__dict__, "params": model.params}, hardware={**hardware.__dict__, "mfu": args.mfu}, options=options.__dict__,
+            out.update(model={**model.__dict__, "params": model.params}, hardware={**hardware.__dict__, "flops": hardware.flops},
+                       options=options.__dict__, runnable={s: s in RUNNABLE for s in STRATEGIES},
                        total_layouts=len(entries), layouts=[e.to_dict() for e in shown])
         else:
-            summary = _summary(model, hardware, options, len(shown), len(entries), args.mfu, guessed=args.config is None)
+            summary = _summary(model, hardware, options, len(shown), len(entries), guessed=args.config is None)
             _print_table(summary, [_row(i + 1, e) for i, e in enumerate(shown)])
     if args.timeline:
         drawing = (args.timeline, args.stages, args.microbatches, args.virtual_stages or 2)

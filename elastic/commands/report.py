@@ -181,9 +181,12 @@ class RunTimeline:
 def analyse(report: dict, events: list[dict]) -> RunTimeline:
     """The plots' series from the event log, and the run's wall time split into where it went.
 
-    The parts: training (the kept steps only); start-up (Ray's start, the
-    workers', up to the first step); checkpoint stall (the ranks' waits for
-    their saves, not the controller's background commits); detection and
+    The parts: training (the kept steps, less the checkpoint stall inside
+    them: goodput counts whole steps); start-up (Ray's start, the workers',
+    up to the first step); checkpoint stall (the ranks' waits for their
+    saves, not the controller's background commits: an async save's wait
+    for its copy, inside the next step, a synchronous save's whole write,
+    between steps; see `_stall_in_steps`), counted once; detection and
     recovery (the controller's own `detect_s`, and `recover_s` less the first
     step it waited for, which is training); lost work (the
     rolled-back steps times the median step time); resizes (a planned
@@ -234,10 +237,10 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     median_step = statistics.median(step_times) if step_times else 0.0
     lost_steps = sum(e.get("lost_steps") or 0 for e in events if e["event"] == "recovering")
     parts = {
-        "training": sum(last_run[s]["step_s"] for s in out.kept_steps),
+        "training": sum(last_run[s]["step_s"] for s in out.kept_steps) - _stall_in_steps(events, last_run),
         "start-up": _startup_s(events, t0, cluster_s),
-        # The ranks' own wait for a save (a synchronous save's whole write; an async save's copy), not the
-        # controller's commit, which runs in the background (summary_rows shows it apart).
+        # The ranks' own wait for a save, not the controller's commit, which runs in the background
+        # (summary_rows shows it apart).
         "checkpoint stall": sum(e.get("stall_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
         "detection": sum(e.get("detect_s") or 0.0 for e in events if e["event"] == "failure_detected"),
         "recovery": _recovery_s(events),
@@ -248,6 +251,26 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     parts["other"] = max(0.0, out.wall_s - sum(parts.values()))
     out.breakdown = parts
     return out
+
+
+def _stall_in_steps(events: list[dict], kept: dict[int, dict]) -> float:
+    """The part of the ranks' checkpoint stall that kept step times already hold, so that it is counted once.
+
+    An async save of step k is copied while step k+1 runs, and the ranks wait
+    for the copy inside that step (before its optimizer step): its stall is in
+    step k+1's time when that step ran in the save's generation and was kept.
+    A synchronous save (the last one, one before a resize, every one without
+    checkpoint.async_save) runs between steps; the ranks report no stall of
+    their own for it, and the commit's stall_s is its save_s.
+    """
+    inside = 0.0
+    for e in events:
+        if e["event"] != "checkpoint_committed" or not e.get("stall_s") or e.get("stall_s") == e.get("save_s"):
+            continue
+        after = kept.get(e["step"] + 1)
+        if after is not None and after.get("generation") == e.get("generation"):
+            inside += min(e["stall_s"], after["step_s"])  # its stall_s also holds the submit's wait, between the steps
+    return inside
 
 
 def _recovery_s(events: list[dict]) -> float:
