@@ -62,6 +62,9 @@ from elastic.messages import (
 from elastic.sched import batch_this_process
 
 ROOT = Path(__file__).resolve().parent.parent
+STEP_REPORT_S = 0.25
+"""Step records wake the controller's poll at most this often: the ranks' own cadence (`elastic.train.STEP_REPORT_S`,
+not imported: that module brings the whole training stack into the agent)."""
 GATHER_S = 0.02
 """Once a rank's step records wake a poll, how long the agent waits for its other ranks' before it answers."""
 COMMAND_TIMEOUT_S = 10.0
@@ -108,6 +111,7 @@ class NodeAgent:
         self._children: list[_Child] = []
         self._lock = threading.Lock()  # guards _children and each child's rank, state and records
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
+        self._last_wake = 0.0  # when step records last woke the poll (monotonic)
         self._request_ids = itertools.count(1)
         # The one thread that forks children: it lives as long as the agent, so their parent-death signal
         # fires when the agent ends and not before. A pool of one thread keeps its thread until shutdown.
@@ -176,7 +180,7 @@ class NodeAgent:
                         self._replicator.submit(self._replicate, c, message.generation, rec)
                     else:
                         self._pass_on(c, message.generation, rec, replicated=False)
-                if records or message.finished or message.error:
+                if message.finished or message.error or self._news(records):
                     self._changed.set()
             elif isinstance(message, Reply):
                 c.replies.put(message)
@@ -190,6 +194,16 @@ class NodeAgent:
         c.ready.set()
         c.replies.put(None)  # whoever waits on a reply learns at once that none will come
         self._changed.set()
+
+    def _news(self, records: list[dict]) -> bool:
+        """Whether `records` should wake the controller's poll now: any but step records at once, step records at most
+        every `elastic.train.STEP_REPORT_S` (a rank whose memory snapshots make it push every step must not make the
+        poll answer every step: each answer is CPU taken from training)."""
+        now = time.monotonic()
+        if any(r["kind"] not in ("step", "eval") for r in records) or (records and now - self._last_wake >= STEP_REPORT_S):
+            self._last_wake = now
+            return True
+        return False
 
     def _ask(self, requests: list[tuple[_Child, Command]], timeout_s: float) -> list[Reply | None]:
         """Send each child its command, then collect the replies (None: no reply in time, or it died), all within `timeout_s`."""

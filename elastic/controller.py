@@ -439,7 +439,7 @@ class Controller:
                 node=node, t_fault=fired_at, where=fault.where,
             )
         for fault in self.faults:
-            if fault.kind == "corrupt" and fault.id not in self.fired and self.completed_step >= fault.step:
+            if fault.kind == "corrupt" and fault.id not in self.fired and self.completed_step + 1 >= fault.step:
                 self.fired[fault.id] = -1.0  # armed: carried out before the next restore
 
     def _return_nodes(self) -> None:
@@ -451,7 +451,7 @@ class Controller:
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
             # Armed by an earlier loop, or due now: the failed generation's last records may have arrived with its failure.
-            due = self.fired.get(fault.id) == -1.0 or (fault.id not in self.fired and self.completed_step >= fault.step)
+            due = self.fired.get(fault.id) == -1.0 or (fault.id not in self.fired and self.completed_step + 1 >= fault.step)
             if fault.kind == "corrupt" and due:
                 if fault.where == "memory":
                     target = self.group.memory_corrupt(seed=fault.id)

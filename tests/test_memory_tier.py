@@ -54,6 +54,14 @@ def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
     assert why is not None and "rank_00002" in why and "CRC-32" in why
 
 
+def test_what_is_older_than_the_floor_or_of_an_earlier_generation_is_dropped(tmp_path):
+    mem = NodeMemory(tmp_path / "node")
+    for generation, step in ((1, 9), (2, 7), (2, 8)):
+        _write(mem, step, rank=0, generation=generation)
+    mem.drop_below(2, 8)  # generation 2 restored from durable step 6 and has committed step 8
+    assert sorted(mem.inventory()) == [(2, 8)]
+
+
 class _Agents:
     """The worker group's memory surface over NodeMemory directories, one per simulated node."""
 
@@ -92,6 +100,19 @@ def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lo
     assert point.tier == "memory" and point.step == 7 and point.position == 112
     assert point.memory["holders"] == {0: "b", 1: "b"}  # node a is gone: rank 0's file is its replica on b
     assert tier.find(_Agents({"a": a, "b": b}), newer_than=8, train_state=lambda s: {}) is None  # the durable step is newer
+
+
+def test_a_generation_rolled_back_to_the_durable_tier_is_never_restored_from(tmp_path):
+    # Generation 1 got to step 9 in memory, then every copy went bad and generation 2 resumed from durable step 4:
+    # its own snapshots (5) are the history the ledger follows; generation 1's step 9 is not.
+    mem = NodeMemory(tmp_path / "a")
+    for rank in (0, 1):
+        _write(mem, 9, rank, generation=1)
+        _write(mem, 5, rank, generation=2)
+    tier, _ = _tier(tmp_path)
+    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}, 2, replicated=False)
+    point = tier.find(_Agents({"a": mem}), newer_than=4, train_state=lambda s: {"data": {"position": s}})
+    assert (point.step, point.memory["generation"]) == (5, 2)
 
 
 def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tmp_path):

@@ -87,13 +87,14 @@ def test_elastic_run_typed_in_a_plain_shell_listens_on_loopback_only(tmp_path):
         "--set", "checkpoint.every_steps=20",
     ]
     proc = subprocess.Popen(argv, env=_clean_env(tmp_path), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen, exposed = 0, []
+    seen, exposed, rank_envs = 0, [], {}
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
             pids = descendants(proc.pid)
             seen = max(seen, len(listening(pids)))
             exposed += beyond_loopback(pids)
+            rank_envs |= _rank_environments(pids)
             time.sleep(0.5)
         output = proc.communicate(timeout=30)[0]
     finally:
@@ -102,6 +103,23 @@ def test_elastic_run_typed_in_a_plain_shell_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, output[-3000:]
     assert seen >= 5, f"only {seen} listening sockets seen: the sampling missed the job"
     assert not exposed, f"listening beyond loopback: {sorted(set(exposed))}"
+    # gloo would bind to whatever the host name resolves to (here 127.0.0.1, on a cloud VM its outward address):
+    # the ranks of an embedded cluster are pinned to the loopback interface whatever this machine's names are.
+    assert rank_envs and all(env.get("GLOO_SOCKET_IFNAME") == env.get("NCCL_SOCKET_IFNAME") == "lo" for env in rank_envs.values())
+
+
+def _rank_environments(pids: set[int]) -> dict[int, dict[str, str]]:
+    """The environment of each rank process among `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            if b"elastic.rank_process" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        out[pid] = dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item)
+    return out
 
 
 def test_garbage_in_the_store_is_an_event_not_a_crash(tmp_path):
