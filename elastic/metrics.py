@@ -99,6 +99,12 @@ class RayMetrics:
         self.checkpoint_bytes = Counter("elastic_checkpoint_bytes", "Tensor bytes written in committed checkpoints.", tag_keys=job_tag)
         self.checkpoint_step = Gauge("elastic_checkpoint_step", "Step of the newest committed checkpoint.", tag_keys=job_tag)
         self.warnings = Counter("elastic_warnings", "Warnings raised by the alert rules, by kind.", tag_keys=job_tag + ("kind",))
+        self.memory_step = Gauge("elastic_memory_step", "Step of the newest committed memory-tier snapshot.", tag_keys=job_tag)
+        self.memory_bytes = Gauge(
+            "elastic_memory_bytes", "Bytes of one memory-tier snapshot of the whole state (one copy; the nodes hold at most "
+            "x (1 + replicas) x 2).", tag_keys=job_tag,
+        )
+        self.restores = Counter("elastic_restores", "Recoveries, by the tier they restored from.", tag_keys=job_tag + ("tier",))
 
     def __call__(self, e: dict) -> None:
         tags = self.tags
@@ -130,6 +136,11 @@ class RayMetrics:
             self.checkpoint_step.set(e["step"], tags)
         elif kind == "warning":
             self.warnings.inc(1, {**tags, "kind": e["kind"]})
+        elif kind == "memory_committed":
+            self.memory_step.set(e["step"], tags)
+            self.memory_bytes.set(e["bytes"], tags)
+        elif kind == "recovering":
+            self.restores.inc(1, {**tags, "tier": e.get("restored_from") or "none"})
         self.events.inc(1, {**tags, "event": kind})
         self.recorded += 1
 

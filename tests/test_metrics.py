@@ -59,7 +59,7 @@ def test_metrics_of_a_run_with_a_failure(cluster, tmp_path):
     series = {}
     for name, labels, value in scrape(endpoint):
         if labels.get("job") == "metrics-run":
-            key = (name, *sorted((k, v) for k, v in labels.items() if k in ("event", "kind", "detected_as", "le")))
+            key = (name, *sorted((k, v) for k, v in labels.items() if k in ("event", "kind", "detected_as", "le", "tier")))
             series[key] = series.get(key, 0) + value
 
     def of(e):
@@ -86,3 +86,8 @@ def test_metrics_of_a_run_with_a_failure(cluster, tmp_path):
     assert series[("ray_elastic_world_size",)] == 2
     assert series[("ray_elastic_generation",)] == 2
     assert series[("ray_elastic_checkpoint_step",)] == commits[-1]["step"] == 20
+    # The memory tier (on in the demo config): its newest snapshot, its size, and which tier the recovery used.
+    memory = of("memory_committed")
+    assert series[("ray_elastic_memory_step",)] == memory[-1]["step"] and series[("ray_elastic_memory_bytes",)] == memory[-1]["bytes"] > 0
+    (recovering,) = of("recovering")
+    assert series[("ray_elastic_restores_total", ("tier", recovering["restored_from"]))] == 1
