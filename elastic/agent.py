@@ -401,7 +401,7 @@ class NodeAgent:
     def put_replica(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
         """Hold another node's rank's snapshot of `step` (its older ones but the newest go)."""
         self._memory.put(step, rank, generation, data, rows)
-        self._memory.keep_replicas(rank, generation, step)
+        self._memory.keep_two(rank, generation, step)
 
     def memory_inventory(self) -> dict[tuple[int, int], dict[int, list[dict]]]:
         """{(generation, step): {rank: rows}} of every complete snapshot file this node holds (its own and replicas)."""
@@ -437,6 +437,3 @@ class NodeAgent:
 
     def memory_corrupt(self, seed: int) -> int:
         return self._memory.corrupt(seed) if self._memory is not None else 0
-
-    def memory_bytes(self) -> int:
-        return self._memory.nbytes() if self._memory is not None else 0

@@ -274,11 +274,6 @@ class RestorePoint:
     tier: str  # "memory", "durable" or "none"
     memory: dict | None = None  # a memory restore's plan for the worker group (`MemoryTier.find`)
 
-    @property
-    def position(self) -> int | None:
-        """A memory restore's data position (a durable one's is in its manifest)."""
-        return self.memory["train_state"]["data"]["position"] if self.memory else None
-
 
 class MemoryTier:
     """The memory tier of one job, on the controller's side: which memory steps are whole, and what a restore gathers.

@@ -208,6 +208,10 @@ class Controller:
             self.group.shutdown()
             self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
             return
+        if memory_restore is not None:
+            staged = self.group.memory_staged.values()
+            self.events.emit("memory_restored", step=self.resume_step, nodes=len(staged), pulled_bytes=sum(s["pulled_bytes"] for s in staged),
+                             stage_s=max((s["stage_s"] for s in staged), default=0.0), held_bytes=max((s["held_bytes"] for s in staged), default=0))
         if self.generation == 1:
             self._replenish()  # the nodes without ranks; those with ranks started theirs alongside them
         self.tallies.clear()

@@ -132,10 +132,6 @@ class NodeMemory:
             self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", [data], durable=False)
         self.finish(step, rank, generation, rows)
 
-    def keep_replicas(self, rank: int, generation: int, newest: int) -> None:
-        """A replica of `rank`'s step `newest` arrived: drop its older replicas but the newest complete one before it."""
-        self.keep_two(rank, generation, newest)
-
     def verify(self, step: int, rank: int, rows: list[dict]) -> str | None:
         """Why `rank`'s file of `step` does not match its rows (size, CRC-32 of the whole file); None when it does."""
         if not rows:

@@ -77,6 +77,7 @@ class RayWorkerGroup:
     generation: int = -1
     memory_floor: tuple[int, int] | None = None  # (generation, step) of the newest committed memory step: agents drop older snapshots
     memory_job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this job's memory directories
+    memory_staged: dict[str, dict] = field(default_factory=dict)  # the last start's memory restore, per node (agent.memory_stage)
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
 
     # -- capacity ----------------------------------------------------------------
@@ -146,7 +147,8 @@ class RayWorkerGroup:
         # controller then shuts the group down (every agent) and asks its failure policy.
         calls = {n: a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()}
         calls |= self._memory_calls(by_node, agents, memory_restore)
-        _, failed = self._gather(calls, timeout + 10)
+        answers, failed = self._gather(calls, timeout + 10)
+        self.memory_staged = {n.removeprefix("stage "): a for n, a in answers.items() if n.startswith("stage ")}
         if failed:
             raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {failed}")
         store_timeout = max(60.0, timeout)
@@ -202,11 +204,6 @@ class RayWorkerGroup:
         """Flip a byte in every memory snapshot file on every node (fault injection); says how many."""
         answers, _ = self._gather({n: a.memory_corrupt.remote(seed) for n, a in self.agents.items()}, CALL_TIMEOUT_S)
         return f"memory: {sum(answers.values())} snapshot files on {len(answers)} nodes"
-
-    def memory_bytes(self) -> int:
-        """What the memory tier holds on all nodes together, replicas included."""
-        answers, _ = self._gather({n: a.memory_bytes.remote() for n, a in self.agents.items()}, CALL_TIMEOUT_S)
-        return sum(answers.values())
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
         """One round of polls; a rank whose process (or whose node's agent) is dead comes back with alive=False.

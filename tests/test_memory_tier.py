@@ -97,7 +97,7 @@ def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lo
     _write(a, 8, rank=0)  # rank 1 died writing step 8: not whole anywhere
     tier, events = _tier(tmp_path)
     point = tier.find(_Agents({"b": b}), newer_than=4, train_state=lambda s: {"step": s, "data": {"position": 16 * s}})
-    assert point.tier == "memory" and point.step == 7 and point.position == 112
+    assert point.tier == "memory" and point.step == 7 and point.memory["train_state"]["data"]["position"] == 112
     assert point.memory["holders"] == {0: "b", 1: "b"}  # node a is gone: rank 0's file is its replica on b
     assert tier.find(_Agents({"a": a, "b": b}), newer_than=8, train_state=lambda s: {}) is None  # the durable step is newer
 
