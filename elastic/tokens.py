@@ -27,7 +27,8 @@ memory map locally, read whole into the same LRU remotely. So a rank holds
 the index (a few numbers per chunk), the pages it touches and the LRU.
 
 Remote Parquet and Arrow chunks are fetched and decoded on one background
-thread per reader (pyarrow releases the GIL while it waits and decodes), and
+thread per reader (pyarrow releases the GIL while it waits and decodes; one
+thread, so no open file is ever read by two threads at once), and
 a reader that misses chunks in stream order (the second neighbour in a row)
 reads the next `READ_AHEAD` chunks ahead, so a sequential pass waits on the
 store about once rather than once per chunk. Those chunks are held beside
@@ -344,7 +345,7 @@ class TokenReader:
         self._last_chunk: tuple[np.ndarray, np.ndarray] | None = None
         self._fetcher: ThreadPoolExecutor | None = None  # the one thread that reads remote Parquet and Arrow chunks
         self._ahead: dict[int, Future] = {}  # chunk (stream order) -> its read in flight or done, not yet asked for
-        self._last_miss = -2
+        self._last_miss = -2  # the last chunk read from the store (none yet: chunk 0 is not its neighbour)
         self.bytes_fetched = 0
         """Bytes read from remote files or decoded from Parquet column chunks (compressed size): what a read cost."""
         self.read_ahead_used = 0
