@@ -41,9 +41,11 @@ import hashlib
 import json
 import os
 import re
+from bisect import bisect_right
 from collections import OrderedDict, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -332,11 +334,8 @@ class TokenReader:
         self.cfg = cfg
         self.store = _store_for(index.root)
         self.dtype = np.dtype(cfg.dtype)
-        sizes = [n for f in index.files for n in f.chunks]
-        self.starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=self.starts[1:])
-        # Python lists for the per-window loop (indexing a list is several times cheaper than a numpy scalar).
-        self._starts = self.starts.tolist()
+        # Python lists for the per-window loop: indexing and bisecting a list of a few ranges is several times cheaper than numpy.
+        self._starts = [0, *accumulate(n for f in index.files for n in f.chunks)]
         self._chunk_file = [fi for fi, f in enumerate(index.files) for _ in f.chunks]
         self._chunk_local = [ci for f in index.files for ci in range(len(f.chunks))]
         self.cache = _LRU(cfg.cache_mb << 20)
@@ -353,19 +352,18 @@ class TokenReader:
 
     @property
     def tokens(self) -> int:
-        return int(self.starts[-1])
+        return self._starts[-1]
 
     def read(self, ranges: list[tuple[int, int]], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """The stream's tokens [start, stop) for each range, as int64 (into `out` when given); remote .bin ranges are fetched together."""
         if out is None:
             out = [np.empty(stop - start, dtype=np.int64) for start, stop in ranges]
-        bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if len(bounds) and (bounds[:, 0].min() < 0 or bounds[:, 1].max() > self.tokens):
+        if ranges and (min(start for start, _ in ranges) < 0 or max(stop for _, stop in ranges) > self.tokens):
             raise IndexError(f"token ranges outside the corpus's {self.tokens} tokens")
-        first_chunks = np.searchsorted(self.starts, bounds[:, 0], side="right") - 1
         starts, files, eos = self._starts, self.index.files, self.cfg.eos_token
         remote: dict[int, list] = defaultdict(list)  # .bin file -> [(lo, hi, destination)]
-        for dest_all, (start, stop), c in zip(out, ranges, first_chunks.tolist()):
+        for dest_all, (start, stop) in zip(out, ranges):
+            c = bisect_right(starts, start) - 1  # the chunk holding token `start` (past any empty chunks before it)
             pos = start
             while pos < stop:
                 chunk_start = starts[c]
