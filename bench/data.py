@@ -12,18 +12,32 @@ windows read the plain way, which is the limit:
 - Parquet (one row per document, row groups of ~1M tokens), local: pyarrow
   decoding the whole token column into memory (at the first read, timed)
   and the same windows cut from it: the cheapest way to this file's
-  windows, for a corpus that fits in memory;
+  windows, for a corpus that fits in memory; and, for the tokens source's
+  cache smaller than the corpus, plain pyarrow in the same memory: each
+  window's row group read with `read_row_group`, the decoded groups kept in
+  an LRU of the same size (the like-for-like limit; the whole column in
+  memory is reported beside it);
 - `s3://` (a moto server on 127.0.0.1; a smaller corpus, `--s3-tokens`,
   because moto copies the whole object for every range GET): `.bin` windows
   by range as pyarrow's S3FileSystem serves them (`read_at`, 16 in flight,
   as `storage.fs.Store` reads), and the Parquet file decoded whole through
   the same client, windows cut from memory.
 
-Then it runs the demo job (`deploy/examples/demo.yaml`: 4 workers, global
-batch 32 of 16 tokens, no faults) on the embedded Ray for `--demo-steps`
-steps and takes its median step time after warm-up: the tokens per second
-each rank's training consumes. The `tokens` source is also read at the
-demo's seq_len (16), where per-window costs weigh most.
+Then it runs three jobs on the embedded Ray, no faults, synthetic data (no
+read cost), and takes each one's median step time after the first quarter:
+the tokens per second each rank's training consumes (a rank reads its
+data-parallel slice: global batch x seq_len / dp per step):
+
+- the demo (`deploy/examples/demo.yaml`: 4 workers, dp=4, global batch 32
+  of 16 tokens), `--demo-steps` steps;
+- the Hugging Face Llama example (`examples/hf_llama.py`) at the tiny
+  config the README-path test runs (`tests/test_your_model_your_data.py`:
+  hidden 32, 2 layers, 2 workers at tp=2, global batch 8 of 16 tokens) and
+  at the README's job config (hidden 256, 4 layers, 4 workers at tp=2,
+  global batch 32 of 256 tokens), `--hf-steps` steps each.
+
+The `tokens` source is also read at the demo's seq_len (16), where
+per-window costs weigh most.
 
 Figures are tokens/s (labels: seq_len per window), medians of `--rounds`
 rounds; each measurement runs the corpus once or `--seconds`, whichever is
@@ -41,6 +55,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -135,6 +150,38 @@ def plain_parquet(source, seq_len: int):
     return reader
 
 
+def plain_parquet_groups(path: str, seq_len: int, budget_mb: int):
+    """Plain pyarrow in `budget_mb` of memory: each window's row groups read with `read_row_group`, decoded groups kept in an LRU."""
+
+    def reader():
+        pf = pq.ParquetFile(path)
+        tokens = [pf.metadata.row_group(g).column(0).num_values for g in range(pf.num_row_groups)]  # no nulls: values are tokens
+        starts = np.concatenate([[0], np.cumsum(tokens)]).tolist()
+        groups: OrderedDict = OrderedDict()
+
+        def group(g: int) -> np.ndarray:
+            if g not in groups:
+                groups[g] = pf.read_row_group(g, columns=["input_ids"]).column(0).combine_chunks().flatten().to_numpy()
+                while sum(t.nbytes for t in groups.values()) > budget_mb << 20 and len(groups) > 1:
+                    groups.popitem(last=False)
+            groups.move_to_end(g)
+            return groups[g]
+
+        def window(i: int) -> np.ndarray:
+            lo, hi = i * seq_len, i * seq_len + seq_len + 1
+            g = int(np.searchsorted(starts, lo, side="right")) - 1
+            parts = []
+            while lo < hi:
+                end = min(hi, starts[g + 1])
+                parts.append(group(g)[lo - starts[g] : end - starts[g]])
+                lo, g = end, g + 1
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+        return lambda indices: _tensors(np.stack([window(i) for i in indices]).astype(np.int64))
+
+    return reader
+
+
 def plain_s3_ranges(fs, path: str, seq_len: int, threads: int = 16):
     pool = ThreadPoolExecutor(max_workers=threads)
 
@@ -146,19 +193,57 @@ def plain_s3_ranges(fs, path: str, seq_len: int, threads: int = 16):
     return lambda: read
 
 
-def demo_tokens_per_rank_s(steps: int, run_root: Path) -> dict:
+HF_TINY = {"args": {"vocab_size": 258, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False},
+           "seq_len": 16, "tp": 2, "workers": 2, "global_batch": 8, "micro_batch": 4}
+"""The tiny Llama that tests/test_your_model_your_data.py trains."""
+HF_README = {"args": {"vocab_size": 258, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+                      "num_key_value_heads": 4, "tie_word_embeddings": False},
+             "seq_len": 256, "tp": 2, "workers": 4, "global_batch": 32, "micro_batch": 4}
+"""The job YAML of the README's "Your model on your data"."""
+
+
+def hf_config(job: dict, name: str, steps: int, run_root: Path):
+    return load_config(data={
+        "name": name, "run_root": str(run_root),
+        "model": {"builder": "examples.hf_llama:build", "args": job["args"]},
+        "data": {"seq_len": job["seq_len"]},
+        "parallel": {"tp": job["tp"]},
+        "scaling": {"num_workers": job["workers"], "min_workers": job["workers"]},
+        "training": {"steps": steps, "global_batch": job["global_batch"], "micro_batch": job["micro_batch"]},
+        "checkpoint": {"every_steps": steps},
+    })
+
+
+def training_tokens_per_rank_s(cfg) -> dict:
+    """Run `cfg` to the end; the tokens per second one rank reads: its data-parallel slice of a step over the median step time."""
     from elastic.events import read_events
     from elastic.job import run_job
 
-    sets = {"run_root": str(run_root), "name": "bench-data-demo", "training.steps": steps, "checkpoint.every_steps": steps, "fault.inject": "[]"}
-    cfg = load_config(ROOT / "deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()])
     report = run_job(cfg, quiet=True, fresh=True)
+    steps = cfg.training.steps
     step_s = [e["step_s"] for e in read_events(cfg.run_dir / "events.jsonl") if e["event"] == "step"][steps // 4 :]
     median = statistics.median(step_s)
-    dp = report["world_sizes"][0]
+    layout = report["layouts"][0]
+    dp = layout["dp_replicate"] * layout["dp_shard"]
     per_rank = cfg.training.global_batch * cfg.data.seq_len / dp / median
-    return {"state": report["state"], "world_size": dp, "median_step_s": median, "tokens_per_rank_s": per_rank,
-            "global_batch": cfg.training.global_batch, "seq_len": cfg.data.seq_len}
+    return {"state": report["state"], "world_size": report["world_sizes"][0], "layout": layout, "steps": steps, "median_step_s": median,
+            "tokens_per_rank_s": per_rank, "global_batch": cfg.training.global_batch, "seq_len": cfg.data.seq_len}
+
+
+def consumers(demo_steps: int, hf_steps: int, run_root: Path) -> dict:
+    """What one rank of each example job consumes (tokens/s): the demo, the tiny HF Llama of the tests, the README's HF Llama."""
+    sets = {"run_root": str(run_root), "name": "bench-data-demo", "training.steps": demo_steps, "checkpoint.every_steps": demo_steps,
+            "fault.inject": "[]"}
+    out = {"demo": training_tokens_per_rank_s(load_config(ROOT / "deploy/examples/demo.yaml", [f"{k}={v}" for k, v in sets.items()]))}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("transformers is not installed (pip install -e '.[hf]'): the Hugging Face jobs are left out", flush=True)
+        return out
+    for name, job in (("hf_tiny", HF_TINY), ("hf_readme", HF_README)):
+        out[name] = training_tokens_per_rank_s(hf_config(job, f"bench-data-{name}", hf_steps, run_root))
+    return out
 
 
 def main() -> None:
@@ -170,6 +255,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0, help="time limit of one measurement")
     ap.add_argument("--demo-steps", type=int, default=60)
+    ap.add_argument("--hf-steps", type=int, default=8, help="steps of each Hugging Face Llama job (the README config takes seconds a step here)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/data.json"))
     args = ap.parse_args()
     started = time.perf_counter()
@@ -193,6 +279,9 @@ def main() -> None:
         for cache in (256, 32) if order == "shuffled" else (256,):  # 256 MB holds the corpus's decoded tokens, 32 MB a quarter
             cases[f"Parquet local, {order}, cache {cache} MB"] = (windows(_dataset(str(work / "parquet"), L, cache_mb=cache), batches, L),
                                                                  windows(plain_parquet(parquet_file, L), batches, L))
+        if order == "shuffled":  # the cache a quarter of the corpus: plain pyarrow in the same memory is the like-for-like limit
+            cases["Parquet local, shuffled, cache 32 MB, plain in 32 MB"] = (
+                windows(_dataset(str(work / "parquet"), L, cache_mb=32), batches, L), windows(plain_parquet_groups(parquet_file, L, 32), batches, L))
     demo_len = 16
     small = _batches((args.tokens - 1) // demo_len, 32, True)[:20_000]
     cases[".bin local, shuffled, seq_len 16"] = (windows(_dataset(str(work / "bin"), demo_len), small, demo_len),
@@ -230,25 +319,29 @@ def main() -> None:
         moto.terminate()
         moto.wait(timeout=30)
 
-    demo = demo_tokens_per_rank_s(args.demo_steps, work / "runs")
-    print(f"demo training consumes {demo['tokens_per_rank_s']:,.0f} tokens/s per rank (median step {demo['median_step_s']:.3f} s)", flush=True)
+    training = consumers(args.demo_steps, args.hf_steps, work / "runs")
+    for name, t in training.items():
+        print(f"{name} training consumes {t['tokens_per_rank_s']:,.0f} tokens/s per rank (median step {t['median_step_s']:.3f} s)", flush=True)
     for r in results.values():
-        r["x_training"] = round(r["tokens_source_tokens_s"] / demo["tokens_per_rank_s"], 1)
+        r["x_training"] = {name: round(r["tokens_source_tokens_s"] / t["tokens_per_rank_s"], 1) for name, t in training.items()}
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "pyarrow": pa.__version__, "torch": torch.__version__, "loadavg_at_start": loadavg_start, "loadavg_at_end": os.getloadavg()},
         "setup": {"tokens": args.tokens, "s3_tokens": args.s3_tokens, "seq_len": L, "batch": args.batch, "rounds": args.rounds, "seconds": args.seconds,
                   "units": "tokens/s in one process and thread (seq_len labels per window); ratio = tokens source / plain; "
-                           "x_training = tokens source / what one rank of the demo job consumes"},
-        "training": demo,
+                           "x_training = tokens source / what one rank of each job consumes (demo, hf_tiny, hf_readme)"},
+        "training": training,
         "results": results,
         "bench_wall_s": round(time.perf_counter() - started, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print("\n| source, order | tokens source (tokens/s) | plain read (tokens/s) | ratio | x training |\n|---|---:|---:|---:|---:|")
+    names = list(training)
+    print(f"\n| source, order | tokens source (tokens/s) | plain read (tokens/s) | ratio | {' | '.join(f'x {n}' for n in names)} |")
+    print(f"|---|---:|---:|---:|{'---:|' * len(names)}")
     for name, r in results.items():
-        print(f"| {name} | {r['tokens_source_tokens_s']:,} | {r['plain_tokens_s']:,} | {r['ratio']:.2f} | {r['x_training']:,} |")
+        xs = " | ".join(f"{r['x_training'][n]:,}" for n in names)
+        print(f"| {name} | {r['tokens_source_tokens_s']:,} | {r['plain_tokens_s']:,} | {r['ratio']:.2f} | {xs} |")
     print(f"\nwrote {args.out}")
 
 

@@ -311,5 +311,6 @@ def resume_position(uri: str, step: int, info: DataInfo) -> int:
 
 
 def _short(value) -> str:
+    """At most 60 characters of `repr(value)`: its start and its end, where two long paths differ most often."""
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= 60 else f"{text[:27]}...{text[-30:]}"

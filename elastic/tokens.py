@@ -25,6 +25,14 @@ concurrently); a Parquet chunk is its row group's one column, decoded into a
 bounded LRU (`data.cache_mb`); Arrow batches are zero-copy views of the
 memory map locally, read whole into the same LRU remotely. So a rank holds
 the index (a few numbers per chunk), the pages it touches and the LRU.
+
+Remote Parquet and Arrow chunks are fetched and decoded on one background
+thread per reader (pyarrow releases the GIL while it waits and decodes; one
+thread, so no open file is ever read by two threads at once), and
+a reader that misses chunks in stream order (the second neighbour in a row)
+reads the next `READ_AHEAD` chunks ahead, so a sequential pass waits on the
+store about once rather than once per chunk. Those chunks are held beside
+the LRU until asked for: at most `READ_AHEAD` decoded chunks more.
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import hashlib
 import json
 import os
 import re
+from bisect import bisect_right
 from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +57,8 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".ipc": "
 """File suffixes a corpus may hold, and how each is read."""
 OPEN_FILES = 64
 """Files a reader keeps open (memory maps, Parquet footers): the least recently used is closed past this."""
+READ_AHEAD = 2
+"""Remote chunks read ahead of a reader that goes through the stream in order."""
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -297,6 +309,9 @@ class _LRU:
         self.nbytes = 0
         self._items: OrderedDict = OrderedDict()
 
+    def __contains__(self, key) -> bool:
+        return key in self._items  # unlike get, leaves the order alone
+
     def get(self, key):
         item = self._items.get(key)
         if item is not None:
@@ -319,35 +334,36 @@ class TokenReader:
         self.cfg = cfg
         self.store = _store_for(index.root)
         self.dtype = np.dtype(cfg.dtype)
-        sizes = [n for f in index.files for n in f.chunks]
-        self.starts = np.zeros(len(sizes) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=self.starts[1:])
-        # Python lists for the per-window loop (indexing a list is several times cheaper than a numpy scalar).
-        self._starts = self.starts.tolist()
+        # Python lists for the per-window loop: indexing and bisecting a list of a few ranges is several times cheaper than numpy.
+        self._starts = [0, *accumulate(n for f in index.files for n in f.chunks)]
         self._chunk_file = [fi for fi, f in enumerate(index.files) for _ in f.chunks]
         self._chunk_local = [ci for f in index.files for ci in range(len(f.chunks))]
         self.cache = _LRU(cfg.cache_mb << 20)
         self._open: OrderedDict = OrderedDict()
-        self._last_key: tuple[int, int] | None = None
+        self._last_key: int | None = None
         self._last_chunk: tuple[np.ndarray, np.ndarray] | None = None
+        self._fetcher: ThreadPoolExecutor | None = None  # the one thread that reads remote Parquet and Arrow chunks
+        self._ahead: dict[int, Future] = {}  # chunk (stream order) -> its read in flight or done, not yet asked for
+        self._last_miss = -2  # the last chunk read from the store (none yet: chunk 0 is not its neighbour)
         self.bytes_fetched = 0
         """Bytes read from remote files or decoded from Parquet column chunks (compressed size): what a read cost."""
+        self.read_ahead_used = 0
+        """Chunks that a read found already read ahead."""
 
     @property
     def tokens(self) -> int:
-        return int(self.starts[-1])
+        return self._starts[-1]
 
     def read(self, ranges: list[tuple[int, int]], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """The stream's tokens [start, stop) for each range, as int64 (into `out` when given); remote .bin ranges are fetched together."""
         if out is None:
             out = [np.empty(stop - start, dtype=np.int64) for start, stop in ranges]
-        bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if len(bounds) and (bounds[:, 0].min() < 0 or bounds[:, 1].max() > self.tokens):
+        if ranges and (min(start for start, _ in ranges) < 0 or max(stop for _, stop in ranges) > self.tokens):
             raise IndexError(f"token ranges outside the corpus's {self.tokens} tokens")
-        first_chunks = np.searchsorted(self.starts, bounds[:, 0], side="right") - 1
         starts, files, eos = self._starts, self.index.files, self.cfg.eos_token
         remote: dict[int, list] = defaultdict(list)  # .bin file -> [(lo, hi, destination)]
-        for dest_all, (start, stop), c in zip(out, ranges, first_chunks.tolist()):
+        for dest_all, (start, stop) in zip(out, ranges):
+            c = bisect_right(starts, start) - 1  # the chunk holding token `start` (past any empty chunks before it)
             pos = start
             while pos < stop:
                 chunk_start = starts[c]
@@ -356,9 +372,8 @@ class TokenReader:
                     fi = self._chunk_file[c]
                     lo, hi, dest = pos - chunk_start, end - chunk_start, dest_all[pos - start : end - start]
                     if files[fi].format != "bin":
-                        key = (fi, self._chunk_local[c])
-                        if key != self._last_key:  # neighbouring windows mostly share a chunk: skip the LRU for them
-                            self._last_chunk, self._last_key = self._chunk(*key), key
+                        if c != self._last_key:  # neighbouring windows mostly share a chunk: skip the LRU for them
+                            self._last_chunk, self._last_key = self._chunk(c), c
                         values, offsets = self._last_chunk
                         dest[:] = values[lo:hi] if eos is None else stream_slice(values, offsets, eos, lo, hi)
                     elif self.store.local is not None:
@@ -405,27 +420,55 @@ class TokenReader:
             self._open.popitem(last=False)
         return handle
 
-    def _chunk(self, fi: int, ci: int) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk `ci` of file `fi` as (token values, document offsets), from the LRU or decoded into it."""
+    def _chunk(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk `c` (in stream order) as (token values, document offsets), from the LRU or decoded into it."""
+        fi, ci = self._chunk_file[c], self._chunk_local[c]
         cached = self.cache.get((fi, ci))
         if cached is not None:
             return cached[0]
+        if self.store.local is not None:
+            values, offsets, fetched = self._decode_chunk(fi, ci, self._handle(fi))
+        else:
+            pending = self._ahead.pop(c, None)
+            self.read_ahead_used += pending is not None
+            values, offsets, fetched = (pending or self._fetch(c)).result()
+            if c == self._last_miss + 1:  # the second neighbour in a row: a pass in stream order
+                self._read_ahead(c)
+            self._last_miss = c
+        self.bytes_fetched += fetched
+        self.cache.put((fi, ci), (values, offsets), values.nbytes + offsets.nbytes)
+        return values, offsets
+
+    def _fetch(self, c: int) -> Future:
+        """Read and decode chunk `c` (stream order) of a remote file on the fetch thread."""
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokens-fetch")
+        fi, ci = self._chunk_file[c], self._chunk_local[c]
+        return self._fetcher.submit(self._decode_chunk, fi, ci, self._handle(fi))
+
+    def _read_ahead(self, c: int) -> None:
+        """Start reading the non-.bin chunks after `c` that are neither cached nor already in flight."""
+        for nxt in range(c + 1, min(c + 1 + READ_AHEAD, len(self._chunk_file))):
+            fi, ci = self._chunk_file[nxt], self._chunk_local[nxt]
+            if self.index.files[fi].format != "bin" and nxt not in self._ahead and (fi, ci) not in self.cache:
+                self._ahead[nxt] = self._fetch(nxt)
+
+    def _decode_chunk(self, fi: int, ci: int, handle) -> tuple[np.ndarray, np.ndarray, int]:
+        """(token values, document offsets, bytes it cost) of chunk `ci` of file `fi`, read through its open `handle`."""
         f = self.index.files[fi]
         where = f"{self.store.describe(f.rel)} chunk {ci}"
         if f.format == "parquet":
-            pf, leaf = self._handle(fi)
+            pf, leaf = handle
             values, offsets = _decode(pf.read_row_group(ci, columns=[self.cfg.column]).column(0), where)
-            self.bytes_fetched += pf.metadata.row_group(ci).column(leaf).total_compressed_size
+            fetched = pf.metadata.row_group(ci).column(leaf).total_compressed_size
         else:
-            batch = self._handle(fi).get(ci)
+            batch = handle.get(ci)
             values, offsets = _decode(batch.column(self.cfg.column), where)
-            if self.store.local is None:
-                self.bytes_fetched += batch.nbytes
+            fetched = batch.nbytes if self.store.local is None else 0
         tokens = len(values) + (len(offsets) - 1 if self.cfg.eos_token is not None else 0)
         if tokens != f.chunks[ci]:
             raise ValueError(f"{where} has {tokens} tokens, {f.chunks[ci]} when the job indexed it: the corpus changed")
-        self.cache.put((fi, ci), (values, offsets), values.nbytes + offsets.nbytes)
-        return values, offsets
+        return values, offsets, fetched
 
 
 class TokenWindows:

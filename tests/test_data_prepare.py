@@ -66,6 +66,21 @@ def test_byte_level_bin_and_parquet_read_the_same_stream(tmp_path):
     assert streams["bin"] == streams["parquet"] == want[:usable]
 
 
+def test_text_on_s3_in_and_shards_on_s3_out(tmp_path, s3):
+    """Inputs and output on object storage: the same stream as from local files."""
+    import s3fs
+
+    raw = _inputs(tmp_path)
+    s3fs.S3FileSystem(skip_instance_cache=True).put(str(raw), f"{s3}/raw", recursive=True)
+    done = _cli(f"{s3}/raw", "--out", f"{s3}/tokens", "--shard-tokens", "200")
+    assert done.returncode == 0, done.stderr
+    data = _summary_data(done.stdout)
+    assert data["path"] == f"{s3}/tokens" and len(s3fs.S3FileSystem(skip_instance_cache=True).ls(f"{s3}/tokens")) > 1
+    docs = DOCS[:20] + ["".join(DOCS[20:])]
+    want = [t for d in docs for t in list(d.encode("utf-8")) + [256]]
+    assert _stream(data) == want[: (len(want) - 1) // 8 * 8 + 1]
+
+
 def test_tokenizer_file_and_its_eos(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers

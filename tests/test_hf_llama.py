@@ -203,6 +203,29 @@ def test_spec_from_the_hugging_face_config():
     assert not [k for k, v in spec.plan(sequence_parallel=False).items() if type(v).__name__ in ("SequenceGather", "SequenceParallel")]
 
 
+def test_build_over_a_released_config(tmp_path):
+    """`build(config=DIR)` starts from a model directory's config.json, local or fsspec; keyword fields override it."""
+    import fsspec
+    from transformers import LlamaConfig
+
+    from elastic.config import ConfigError
+    from elastic.recipe import build_model
+
+    LlamaConfig(**ARGS).save_pretrained(tmp_path / "released")
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/released/config.json", (tmp_path / "released" / "config.json").read_bytes())
+    try:
+        for where in (str(tmp_path / "released"), "memory://released"):
+            model, spec = build_model(ModelConfig(builder="examples.hf_llama:build", args={"config": where, "num_hidden_layers": 2}))
+            got = model.config
+            assert (got.hidden_size, got.intermediate_size, got.num_key_value_heads, got.vocab_size) == (32, 64, 2, 32), where  # the file's
+            assert len(model.model.layers) == got.num_hidden_layers == 2 and spec.vocab_size == 32  # the override
+    finally:
+        memory.rm("/released", recursive=True)
+    with pytest.raises(ConfigError, match=r"model.builder examples.hf_llama:build: FileNotFoundError"):
+        build_model(ModelConfig(builder="examples.hf_llama:build", args={"config": str(tmp_path / "nothing")}))
+
+
 def test_rotary_buffers_are_recreated_after_materialising():
     model, spec = _meta()
     model.to_empty(device="cpu")

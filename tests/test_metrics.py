@@ -47,7 +47,7 @@ def test_metrics_of_a_run_with_a_failure(cluster, tmp_path):
     cfg = load_config("deploy/examples/demo.yaml", [
         "name=metrics-run", f"run_root={tmp_path / 'runs'}", f"checkpoint.uri={tmp_path / 'ckpt'}",
         "scaling.num_workers=2", "scaling.min_workers=1", "training.steps=20", "training.global_batch=16",
-        "checkpoint.every_steps=5", "fault.inject=[]",
+        "checkpoint.every_steps=5", "fault.inject=[]", "training.eval_every=10", "data.eval_samples=16",
     ])
     report = run_job(cfg, ["kill:rank=1,step=12"], address=cluster.address, quiet=True)
     assert report["state"] == "FINISHED"
@@ -82,6 +82,8 @@ def test_metrics_of_a_run_with_a_failure(cluster, tmp_path):
     last = steps[-1]
     assert series[("ray_elastic_loss",)] == pytest.approx(last["loss"])
     assert series[("ray_elastic_grad_norm",)] == pytest.approx(last["grad_norm"])
+    assert [e["step"] for e in of("eval")] == [10, 20]
+    assert series[("ray_elastic_eval_loss",)] == pytest.approx(of("eval")[-1]["loss"]) == pytest.approx(report["final_eval_loss"])
     assert series[("ray_elastic_tokens_per_second",)] == pytest.approx(16 * 16 / last["step_s"])
     assert series[("ray_elastic_world_size",)] == 2
     assert series[("ray_elastic_generation",)] == 2

@@ -184,6 +184,29 @@ def test_plots_are_valid_pngs_of_a_sensible_size(run_dir: Path, capsys) -> None:
         assert (run_dir / name).stat().st_size > 5_000, f"{name} looks empty"
 
 
+def test_held_out_losses_are_plotted_once_per_step(run_dir: Path, monkeypatch) -> None:
+    """Eval events make the loss plot's held-out series; an evaluation that a recovery ran again is drawn once, the later."""
+    from elastic import plots
+
+    path = run_dir / "events.jsonl"
+    events = []
+    for e in (json.loads(line) for line in path.read_text().splitlines()):
+        events.append(e)
+        if e["event"] == "step" and e["step"] % 5 == 0:  # eval_every 5: step 35 is evaluated by generation 1, then again by 2
+            events.append({"t": e["t"], "event": "eval", "step": e["step"], "loss": _loss(e["step"]) + 0.1 * e["generation"],
+                           "samples": 16, "generation": e["generation"]})
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    report, events = load_run(run_dir)
+    tl = analyse(report, events)
+    assert tl.eval_steps == list(range(5, 61, 5))
+    assert tl.eval_losses[tl.eval_steps.index(35)] == _loss(35) + 0.2 and tl.eval_losses[0] == _loss(5) + 0.1
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, out: figures.append(fig) or out)
+    plots.plot_loss(report, tl, run_dir / "loss.png")
+    (held,) = [line for line in figures[0].axes[0].get_lines() if line.get_label() == "held-out loss"]
+    assert list(held.get_xdata()) == tl.eval_steps and list(held.get_ydata()) == tl.eval_losses
+
+
 def test_rich_table_on_a_terminal(run_dir: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     assert main(["report", str(run_dir), "--no-plots"]) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 import storage
 from elastic.config import ConfigError, load_config
 from elastic.data import describe, open_datasets, resume_position
-from elastic.tokens import CorpusIndex, TokenReader
+from elastic.tokens import CorpusIndex, TokenReader, TokenWindows
 from token_corpus import EOS, VOCAB, windows, write_corpus
 
 SEQ = 8
@@ -202,8 +203,13 @@ def test_s3_corpus_reads_by_range(s3, tmp_path):
     s3fs.S3FileSystem(skip_instance_cache=True).put(str(tmp_path / "c"), f"{s3}/corpus", recursive=True)
     info, train, _ = _all(_cfg({"path": f"{s3}/corpus"}))
     assert info.identity["files"] == CorpusIndex.from_json(describe(_cfg({"path": str(tmp_path / "c")})).index).fingerprint()
-    got = train.windows(list(range(len(train)))[::-1])
+    got = train.windows(list(range(len(train)))[::-1])  # backwards: each chunk is read when a window asks for it
     np.testing.assert_array_equal(got[::-1], windows(stream, SEQ, range(len(train))))
+    assert train.reader.read_ahead_used == 0
+    forward = TokenWindows(TokenReader(CorpusIndex.from_json(info.index), train.reader.cfg), SEQ, 0, len(train))
+    batches = [list(range(i, min(i + 4, len(train)))) for i in range(0, len(train), 4)]  # in order: chunks are read ahead
+    np.testing.assert_array_equal(np.concatenate([forward.windows(b) for b in batches]), windows(stream, SEQ, range(len(train))))
+    assert forward.reader.read_ahead_used >= 10  # of the Parquet file's 9 row groups and the Arrow file's 6 batches
     reader = TokenReader(CorpusIndex.from_json(info.index), train.reader.cfg)
     size = os.path.getsize(tmp_path / "c" / "02.bin")
     reader.read([(len(stream) - 2 * SEQ, len(stream) - SEQ)])  # inside the .bin file
@@ -218,13 +224,18 @@ def test_resume_position_refuses_other_data(tmp_path):
     rows = storage.write_shards(uri, 4, 0, {"model.w": torch.zeros(2)}, generation=1)
     storage.commit(uri, 4, rows, generation=1, layout={}, train_state={"step": 4, "data": {"position": 32, "identity": info.identity}})
     assert resume_position(uri, 4, info) == 32
-    for data, field in (({"seed": 5}, "data.seed changed (1234 -> 5)"), ({"seq_len": 4}, "data.seq_len changed (8 -> 4)"),
-                        ({"eos_token": None}, "data.eos_token changed (61 -> None)"), ({"new_file": True}, "data.path's files")):
+    shutil.copytree(tmp_path / "c", tmp_path / "moved")  # the same files elsewhere: another path all the same
+    synthetic = load_config(data={"model": {"vocab_size": VOCAB}, "data": {"seq_len": SEQ}, "training": {"global_batch": 8, "micro_batch": 4}})
+    for data, *fields in (({"seed": 5}, "data.seed changed (1234 -> 5)"), ({"seq_len": 4}, "data.seq_len changed (8 -> 4)"),
+                          ({"eos_token": None}, "data.eos_token changed (61 -> None)"),
+                          ({"path": str(tmp_path / "moved")}, "data.path changed", "/c' -> '", "/moved')"),  # shortened, the ends kept
+                          ({"kind": "synthetic"}, "data.kind changed ('tokens' -> 'synthetic')"), ({"new_file": True}, "data.path's files")):
         if data.pop("new_file", False):
             (tmp_path / "c" / "02.bin").write_bytes(np.zeros(50, np.uint16).tobytes())
+        cfg = synthetic if data.get("kind") == "synthetic" else _cfg({"path": str(tmp_path / "c"), **data})
         with pytest.raises(ConfigError) as err:
-            resume_position(uri, 4, describe(_cfg({"path": str(tmp_path / "c"), **data})))
-        assert field in str(err.value) and "step 4" in str(err.value) and "\n" not in str(err.value)
+            resume_position(uri, 4, describe(cfg))
+        assert all(f in str(err.value) for f in fields) and "step 4" in str(err.value) and "\n" not in str(err.value)
     storage.commit(uri, 8, storage.write_shards(uri, 8, 0, {"model.w": torch.zeros(2)}, generation=1), generation=1, layout={}, train_state={"step": 8})
     with pytest.raises(ConfigError, match="no data position"):
         resume_position(uri, 8, info)
