@@ -74,12 +74,14 @@ class NodeMemory:
         self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", json.dumps(rows).encode())
 
     def keep_two(self, rank: int, generation: int, writing: int) -> None:
-        """Before `rank` writes step `writing`: drop its files but those of its newest complete step before it."""
+        """Before `rank` writes step `writing` (or its replica of it arrives): drop its older files but its newest complete one.
+
+        Never a newer step's: a replica can arrive after newer ones did.
+        """
         mine = data_file(rank, generation)
         steps = sorted(s for (_, s), ranks in self._complete(generation).items() if rank in ranks and s < writing)
-        keep = steps[-1:] + [writing]
         for step in self.steps():
-            if step not in keep:
+            if step < writing and step not in steps[-1:]:
                 self._remove_file(step, mine, rank, generation)
 
     # -- what the node holds ------------------------------------------------------------
@@ -181,18 +183,17 @@ class NodeMemory:
                 for rank in ranks:
                     self._remove_file(key[1], data_file(rank, key[0]), rank, key[0])
         for s in self.steps():
-            if s < step and not (self.path / step_dir(s) / "rows").is_dir():
-                self.store.remove_tree(step_dir(s))  # files of writes that never finished
+            if s < step:  # nobody writes below a committed step: what is left there (unfinished writes, empty dirs) goes
+                self.store.remove_tree(step_dir(s))
 
     def destroy(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def _remove_file(self, step: int, rel: str, rank: int, generation: int) -> None:
-        for name in (rows_file(rank, generation), rel):  # the rows first: never a complete-looking file without its data
+        """Remove one file and its rows (the rows first: never a complete-looking file without its data). The step's
+        directory stays: another rank may be writing into it; `drop_below` removes it once the step is below the floor."""
+        for name in (rows_file(rank, generation), rel):
             try:
                 self.store.remove(f"{step_dir(step)}/{name}")
             except FileNotFoundError:
                 pass
-        d = self.path / step_dir(step)
-        if not any((d / sub).is_dir() and any((d / sub).iterdir()) for sub in ("data", "rows")):
-            self.store.remove_tree(step_dir(step))

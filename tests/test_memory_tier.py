@@ -45,6 +45,19 @@ def test_a_rank_keeps_its_newest_whole_snapshot_and_the_one_it_writes(tmp_path):
     assert (1, 4) not in mem.inventory() and sorted(mem.inventory()) == [(1, 3)]
 
 
+def test_a_late_replica_drops_nothing_newer_and_no_directory_a_writer_may_use(tmp_path):
+    # A replica of step 2 arriving after those of 3 and 4 (out of order) keeps them; a step directory that
+    # another rank is writing into (its data/ made, no file yet) is never removed from under it.
+    mem = NodeMemory(tmp_path / "node")
+    for step in (3, 4):
+        _write(mem, step, rank=0)
+    (mem.path / "step_00000005" / "data").mkdir(parents=True)
+    _write(mem, 2, rank=0)
+    assert sorted(mem.inventory()) == [(1, 2), (1, 3), (1, 4)]
+    _write(mem, 5, rank=0)
+    assert sorted(mem.inventory()) == [(1, 4), (1, 5)] and (mem.path / "step_00000005" / "data").is_dir()
+
+
 def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
     mem = NodeMemory(tmp_path / "node")
     rows = _write(mem, 5, rank=2)
