@@ -276,7 +276,7 @@ class Controller:
             else:
                 self._transition(State.FINISHED, steps=self.completed_step + 1)
             return
-        if self.state is State.RESIZING and self.last_committed == self.resize_target:
+        if self.state is State.RESIZING and self.last_committed is not None and self.last_committed >= self.resize_target:
             self._resize()
             return
         if self.state is State.RUNNING and now >= self.next_grow_check:
@@ -403,7 +403,8 @@ class Controller:
 
     def _resize(self) -> None:
         self.group.teardown()
-        self.resume_step, self.resume_tier = self.resize_target, "durable"
+        # Ranks already past the target when told stop at the first step after it: that is the save to resume from.
+        self.resume_step, self.resume_tier = self.last_committed, "durable"
         self.resize_target = None
         self.events.emit("resized", resume_step=self.resume_step, lost_steps=0)
         self._transition(State.SCHEDULING, resume_step=self.resume_step)

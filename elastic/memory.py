@@ -86,18 +86,21 @@ class NodeMemory:
 
     # -- what the node holds ------------------------------------------------------------
     def steps(self) -> list[int]:
-        if not self.path.is_dir():
+        try:
+            names = [p.name for p in self.path.iterdir()]
+        except FileNotFoundError:
             return []
-        return sorted(s for s in (parse_step_dir(p.name) for p in self.path.iterdir()) if s is not None)
+        return sorted(s for s in map(parse_step_dir, names) if s is not None)
 
     def _complete(self, generation: int | None) -> dict[tuple[int, int], dict[int, Path]]:
         """{(generation, step): {rank: its rows file}} of the complete files here (of one generation, or all)."""
         out: dict[tuple[int, int], dict[int, Path]] = {}
         for step in self.steps():
-            rows = self.path / step_dir(step) / "rows"
-            if not rows.is_dir():
+            try:  # the agent may drop the step between the listing and this (drop_below)
+                names = list((self.path / step_dir(step) / "rows").iterdir())
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            for p in rows.iterdir():
+            for p in names:
                 m = _ROWS.fullmatch(p.name)
                 if m and (generation is None or int(m["generation"]) == generation):
                     out.setdefault((int(m["generation"]), step), {})[int(m["rank"])] = p
