@@ -431,11 +431,13 @@ class TokenReader:
         if self.store.local is not None:
             ((values, offsets, fetched),) = self._decode_chunks(fi, [ci], self._handle(fi))
         else:
-            pending = self._ahead.pop(c, None)
-            self.read_ahead_used += pending is not None
-            future, i = pending or (self._fetch(fi, [ci]), 0)
+            sequential = c == self._last_miss + 1  # the second neighbour in a row: a pass in stream order
+            self.read_ahead_used += c in self._ahead
+            if sequential and c not in self._ahead:
+                self._read_ahead(c - 1)  # this chunk and the ones after it, in one read
+            future, i = self._ahead.pop(c, None) or (self._fetch(fi, [ci]), 0)
             values, offsets, fetched = future.result()[i]
-            if c == self._last_miss + 1:  # the second neighbour in a row: a pass in stream order
+            if sequential:
                 self._read_ahead(c)
             self._last_miss = c
         self.bytes_fetched += fetched
@@ -466,8 +468,7 @@ class TokenReader:
         wanted = [n for n in window if n not in self._ahead and (self._chunk_file[n], self._chunk_local[n]) not in self.cache]
         if not wanted or 2 * len(wanted) < len(window):
             return
-        runs = [[c + 1], wanted[1:]] if wanted[0] == c + 1 else [wanted]  # the next chunk alone: the reader waits for it alone
-        for fi, group in (g for run in runs for g in groupby(run, key=self._chunk_file.__getitem__)):
+        for fi, group in groupby(wanted, key=self._chunk_file.__getitem__):
             group = list(group)
             future = self._fetch(fi, [self._chunk_local[n] for n in group])
             self._ahead.update((n, (future, i)) for i, n in enumerate(group))
