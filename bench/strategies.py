@@ -301,7 +301,8 @@ def bench_memory_cost(name: str, world: int, sets: list[str], args, index: int, 
     }
 
 
-def memory_table(result: dict) -> str:
+def memory_cost_markdown(result: dict) -> str:
+    """The --memory-cost result as a markdown table (its JSON is not strategies.json, whose tables tests/test_docs.py checks)."""
     lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | rank stall (median) | round_ratios |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in result["layouts"]:
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.memory_cost:
-        print(memory_table(result))
+        print(memory_cost_markdown(result))
     else:
         print(table(result))
         print()
