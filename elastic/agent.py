@@ -324,12 +324,13 @@ class NodeAgent:
         out = []
         with self._lock:
             for c in sorted((c for c in self._children if c.rank is not None), key=lambda c: c.rank):
-                if c.exit is not None:
-                    out.append(RankStatus(c.rank, False, error=c.exit))
-                    continue
                 records = []
                 if c.records_gen == generation:
                     records, c.records = c.records, []
+                if c.exit is not None:  # what it pushed before it died still counts (its last steps' records)
+                    state = replace(c.state or RankState(generation, -1, "start", now), records=records)
+                    out.append(RankStatus(c.rank, False, state, error=c.exit))
+                    continue
                 state = c.state or RankState(generation, -1, "start", now)
                 out.append(RankStatus(c.rank, True, replace(state, records=records)))
         return out

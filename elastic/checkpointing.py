@@ -214,7 +214,7 @@ class CheckpointCoordinator:
                 f"last error: {self._last_error}")
 
     # -- restoring -------------------------------------------------------------------------
-    def restore_point(self, group=None) -> RestorePoint:
+    def restore_point(self, group=None, upto: int | None = None) -> RestorePoint:
         """Where a recovery resumes: the newest memory step that survives whole (with the memory tier, asking `group`'s
         agents), unless the newest durable checkpoint that verifies is newer; every newer one that does not is a
         `checkpoint_skipped` event. No durable checkpoint counts when the storage does not answer within the deadline
@@ -226,7 +226,7 @@ class CheckpointCoordinator:
         if self.last_committed is None:
             self.last_committed = step  # a job that resumes starts from a committed checkpoint
         if self.memory.enabled and group is not None:
-            point = self.memory.find(group, step, self.train_state)
+            point = self.memory.find(group, step, self.train_state, upto)
             if point is not None:
                 return point
         return RestorePoint(step, "none" if step is None else "durable")
@@ -327,8 +327,14 @@ class MemoryTier:
         )
         return step
 
-    def find(self, group, newer_than: int | None, train_state: Callable[[int], dict]) -> RestorePoint | None:
-        """The newest memory step newer than (or as new as) `newer_than` that survives whole and verifies, with its staging plan."""
+    def find(self, group, newer_than: int | None, train_state: Callable[[int], dict], upto: int | None = None) -> RestorePoint | None:
+        """The newest memory step newer than (or as new as) `newer_than`, and not past `upto`, that survives whole and
+        verifies, with its staging plan.
+
+        `upto` is the newest step whose every record (losses, samples) the controller holds: a snapshot can be
+        whole before the step's records reach the controller, and restoring past them would leave that step out
+        of the report and the sample ledger.
+        """
         held: dict[tuple[int, int], dict[int, dict[str, list[dict]]]] = {}  # (generation, step) -> rank -> node -> rows
         for node, inventory in group.memory_inventory().items():
             for key, ranks in inventory.items():
@@ -336,7 +342,7 @@ class MemoryTier:
                     held.setdefault(key, {}).setdefault(rank, {})[node] = rows
         # Only this generation's snapshots, and the one it was restored from, are on the history the ledger
         # and the data position follow (a snapshot of a generation that a durable fallback rolled back is not).
-        ours = [key for key in held if key[0] == self._generation or key == self._origin]
+        ours = [key for key in held if (key[0] == self._generation or key == self._origin) and (upto is None or key[1] <= upto)]
         whole = sorted((key for key in ours if len(held[key]) == self.worlds[key[0]]), key=lambda k: (k[1], k[0]), reverse=True)
         for generation, step in whole:
             if newer_than is not None and step < newer_than:

@@ -243,8 +243,9 @@ class Controller:
         self._check_fault_signals(now)
         dead = [s for s in statuses if not s.alive]
         for s in statuses:
-            if s.alive:
+            if s.state is not None:  # a dead rank's last records too
                 self._absorb(s.rank, s.state, now)
+            if s.alive:
                 self.last_polls[s.rank] = replace(s.state, records=[])
         self._reap_commits(wait=self.state is State.RESIZING)  # a paused job waits for its commit anyway
         if reason := self.checkpoints.overdue():
@@ -554,7 +555,7 @@ class Controller:
             self._transition(State.FAILED, reason=decision.reason)
             return
         self._corrupt_newest()
-        point = self.checkpoints.restore_point(self.group)
+        point = self.checkpoints.restore_point(self.group, upto=self.completed_step + 1)
         resume = self.resume_step = point.step
         self.resume_tier, self.memory_restore = point.tier, point.memory
         record["restored_from"] = point.tier
