@@ -186,7 +186,8 @@ SIXTY_FOUR_NODES = ["--set", "scaling.workers_per_node=8", "--set", "scaling.num
 def test_a_job_on_more_nodes_than_the_embedded_ray_simulates_is_refused_only_where_it_would_start_it(tmp_path, capsys, monkeypatch):
     from elastic.job import _refuse_too_many_simulated_nodes
 
-    assert main(["config", "validate", MULTI_NODE, *SIXTY_FOUR_NODES]) == 0  # 64 nodes of 8 GPUs: a real cluster's
+    # 64 nodes of 8 GPUs: a real cluster's (validate also checks the checkpoint URI: a local one here, not the example's bucket)
+    assert main(["config", "validate", MULTI_NODE, *SIXTY_FOUR_NODES, "--set", f"checkpoint.uri={tmp_path / 'ckpt'}"]) == 0
     cfg = load_config(MULTI_NODE, SIXTY_FOUR_NODES[1::2])
     _refuse_too_many_simulated_nodes(cfg, "ray://head:10001")  # `elastic run --address`
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # `ray job submit`
