@@ -47,7 +47,7 @@ bench-checkpoint: $(STAMP)
 bench-s3: $(STAMP)
 	$(PY) bench/s3.py
 
-# Data path: the tokens source vs plain memmap/pyarrow reads, local and s3 (moto), and vs the demo's training rate (~1 min): bench/results/data.json
+# Data path: the tokens source vs plain memmap/pyarrow reads, local and s3 (moto), and vs what the demo and the Hugging Face Llama example train on (~5 min): bench/results/data.json
 bench-data: $(STAMP)
 	$(PY) bench/data.py
 

@@ -336,13 +336,20 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
-    names = list(training)
-    print(f"\n| source, order | tokens source (tokens/s) | plain read (tokens/s) | ratio | {' | '.join(f'x {n}' for n in names)} |")
-    print(f"|---|---:|---:|---:|{'---:|' * len(names)}")
-    for name, r in results.items():
-        xs = " | ".join(f"{r['x_training'][n]:,}" for n in names)
-        print(f"| {name} | {r['tokens_source_tokens_s']:,} | {r['plain_tokens_s']:,} | {r['ratio']:.2f} | {xs} |")
+    print("\n" + table(report))
     print(f"\nwrote {args.out}")
+
+
+def table(report: dict) -> str:
+    """The markdown table of bench/README.md: each read against the plain read and against each job's consumption."""
+    names = list(report["training"])
+    lines = [f"| source, order | tokens source (tokens/s) | plain read (tokens/s) | ratio | {' | '.join(f'x {n}' for n in names)} |",
+             f"|---|---:|---:|---:|{'---:|' * len(names)}"]
+    for name, r in report["results"].items():
+        xs = " | ".join(f"{round(r['x_training'][n]):,}" for n in names)
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] >= 0.1 else f"{r['ratio']:.3f}"
+        lines.append(f"| {name} | {r['tokens_source_tokens_s']:,} | {r['plain_tokens_s']:,} | {ratio} | {xs} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
