@@ -51,7 +51,9 @@ def test_chaos_short(tmp_path):
     assert sorted(e["kind"] for e in result["injected"]) == ["corrupt", "corrupt", "hang", "kill", "kill_during_save", "node"]
     assert report["world_sizes"][-1] == 4 and 2 in report["world_sizes"]  # shrank, then grew back
     tiers = [f["restored_from"] for f in report["failures"]]
-    assert tiers[:3] == ["memory"] * 3 and tiers[-1] == "durable", tiers  # the last after every snapshot was corrupted
+    # The kill restores from memory; the last, after every snapshot was corrupted, from the durable tier. (A node loss
+    # can fall back to durable too when its ranks' last step records died with it; check_chaos_run bounds memory restores.)
+    assert tiers[0] == "memory" and tiers[-1] == "durable", tiers
 
 
 @pytest.mark.chaos
