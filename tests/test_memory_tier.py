@@ -159,7 +159,7 @@ def test_kills_and_a_node_loss_cost_at_most_one_step_from_memory_into_another_la
     assert tiers[:2] == ["memory"] * 2 and tiers[2] in ("memory", "durable"), tiers
     # A node loss can take its ranks' last step records with it; a restore never goes past the records the
     # controller holds, so it may fall back to the durable tier (README, "What a failure costs").
-    assert [f["lost_steps"] for f in hit["failures"] if f["restored_from"] == "memory"] == [1] * tiers.count("memory")
+    assert all(f["lost_steps"] <= 1 for f in hit["failures"] if f["restored_from"] == "memory"), hit["failures"]
     # The rank died writing snapshot 19: that step is not whole, the one before it is what came back.
     assert hit["failures"][1]["resume_step"] == 18
     assert hit["world_sizes"] == [4, 4, 4, 2] and hit["layouts"][-1] != hit["layouts"][0]
