@@ -300,6 +300,20 @@ def _elastic_timeline(events: list[dict]) -> dict:
 # --------------------------------------------------------------------------------------------
 # Ray Train
 # --------------------------------------------------------------------------------------------
+def _report_checkpoint(dp, rank: int, done: int) -> None:
+    """Ray Train's checkpoint after `done` steps: the DCP shards and the step, reported to its controller."""
+    import tempfile as _tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    with _tempfile.TemporaryDirectory() as d:
+        dp.save(d)
+        if rank == 0:
+            (Path(d) / "train_state.json").write_text(json.dumps({"step": done}))
+        ray.train.report({"step": done}, checkpoint=Checkpoint.from_directory(d))
+
+
 def _ray_train_loop(config: dict) -> None:
     import tempfile as _tempfile
 
@@ -330,11 +344,7 @@ def _ray_train_loop(config: dict) -> None:
         log.emit("step", rank=rank, step=step, restored=restored, step_s=time.time() - t0, loss=loss)
         done = step + 1
         if done % config["every"] == 0 or done == cfg.training.steps:
-            with _tempfile.TemporaryDirectory() as d:
-                dp.save(d)
-                if rank == 0:
-                    (Path(d) / "train_state.json").write_text(json.dumps({"step": done}))
-                ray.train.report({"step": done}, checkpoint=Checkpoint.from_directory(d))
+            _report_checkpoint(dp, rank, done)
 
 
 def detection_probe(path: str, every: bool = False):
@@ -578,11 +588,7 @@ def _ray_train_goodput_loop(config: dict) -> None:
             log.emit("step", sync=False, rank=rank, step=step, step_s=time.time() - t0, loss=loss)
         done = step + 1
         if done % config["every"] == 0 or done == cfg.training.steps:
-            with _tempfile.TemporaryDirectory() as d:
-                dp.save(d)
-                if rank == 0:
-                    (Path(d) / "train_state.json").write_text(json.dumps({"step": done}))
-                ray.train.report({"step": done}, checkpoint=Checkpoint.from_directory(d))
+            _report_checkpoint(dp, rank, done)
 
 
 def scenario_goodput_ray_train(tmp: Path, args, log: Log, result_path: str) -> dict:
