@@ -108,7 +108,8 @@ MODEL = [
 
 def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path, memory: bool | None = None) -> JobConfig:
     """The layout's job; `memory` None: one node, no memory tier (against plain); else two nodes, the memory tier on or off."""
-    per_node = world if memory is None else max(1, world // 2)
+    tp = next((int(s.split("=")[1]) for s in layout_sets if s.startswith("parallel.tp=")), 1)
+    per_node = world if memory is None else max(tp, world // 2)  # a TP group stays on one node
     sets = MODEL + layout_sets + [
         f"name=bench-{name.replace(' ', '_').replace('=', '').replace('+', '')}",
         f"run_root={workdir / 'runs'}",
@@ -286,7 +287,7 @@ def bench_memory_cost(name: str, world: int, sets: list[str], args, index: int, 
     return {
         "layout": name,
         "world": world,
-        "nodes": 2 if world > 1 else 1,
+        "nodes": cfg.scaling.num_workers // cfg.scaling.workers_per_node,  # one node: no replica to write
         "step_s_memory_on": on_s,
         "step_s_memory_off": off_s,
         "memory_step_ratio": on_s / off_s,

@@ -56,6 +56,7 @@ import ray
 
 import storage
 from elastic.memory import NodeMemory, memory_root
+from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
     Command, DumpStacks, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
 )
@@ -122,8 +123,12 @@ class NodeAgent:
             node_id = ray.get_runtime_context().get_node_id()
             self._memory = NodeMemory(memory_root(memory["dir"]) / node_id / memory["job"])
         self._replicas = bool(memory and memory["replicas"])
-        self._peer = None
-        self._replicator = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replicate")
+        self._secret = bytes.fromhex(memory["secret"]) if self._replicas else b""
+        # This node's end of the replication links (elastic.replica_link): its ring predecessor streams replicas here.
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
+        self._peer: ReplicaClient | None = None
+        self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self._gpu_ids}
@@ -351,7 +356,8 @@ class NodeAgent:
         with self._lock:
             self._kill([c for c in self._children if c.rank is not None and c.rank in set(kill_ranks)])
         rest = self._ranks()
-        replies = self._ask([(c, Reset(grace_s)) for c in rest], grace_s + 0.5)
+        reset = Reset(grace_s)
+        replies = self._ask([(c, reset) for c in rest], reset.longest_s + 0.5)
         kept = 0
         with self._lock:
             for c, r in zip(rest, replies):
@@ -365,21 +371,32 @@ class NodeAgent:
     def shutdown(self) -> None:
         with self._lock:
             self._kill(list(self._children))
+        for link in (self._peer, self._replica_server):
+            if link is not None:
+                link.close()
         if self._memory is not None:
             self._memory.destroy()
 
     # -- the memory tier ---------------------------------------------------------------
+    def replica_address(self) -> tuple[str, int] | None:
+        """Where this node takes its ring predecessor's replicas (None: the job keeps none)."""
+        return self._replica_server.address if self._replica_server is not None else None
+
     def set_peer(self, peer) -> None:
         """The agent of the node that holds this node's replicas (None: no replicas, a one-node job)."""
-        self._peer = peer if self._replicas else None
+        address = tuple(ray.get(peer.replica_address.remote(), timeout=COMMAND_TIMEOUT_S)) if peer is not None and self._replicas else None
+        if self._peer is not None and self._peer.address != address:
+            self._peer.close()
+            self._peer = None
+        if address is not None and self._peer is None:
+            self._peer = ReplicaClient(address, self._secret, REPLICA_TIMEOUT_S)
 
     def _replicate(self, c: _Child, generation: int, rec: dict) -> None:
         """Copy a rank's finished snapshot to the peer node, tell the rank, then pass the record on."""
         step, rows = rec["step"], rec["rows"]
         error = None
         try:
-            data = self._memory.read(step, rows[0]["file"]) if rows else b""
-            ray.get(self._peer.put_replica.remote(step, rec["rank"], generation, data, rows), timeout=REPLICA_TIMEOUT_S)
+            self._peer.send(self._memory.file_path(step, rows), step, rec["rank"], generation, rows, rec["records"])
         except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         try:
@@ -392,17 +409,12 @@ class NodeAgent:
     def _pass_on(self, c: _Child, generation: int, rec: dict, replicated: bool, error: str | None = None) -> None:
         """Queue a snapshot's record for the controller. It does not wake the poll: it travels with the next step
         records (every `elastic.train.STEP_REPORT_S`), since a poll answer per rank and step costs training CPU."""
-        out = {k: v for k, v in rec.items() if k != "rows"} | {"replicated": replicated}
+        out = {k: v for k, v in rec.items() if k not in ("rows", "records")} | {"replicated": replicated}
         if error:
             out["replica_error"] = error
         with self._lock:
             if c.records_gen == generation:
                 c.records.append(out)
-
-    def put_replica(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
-        """Hold another node's rank's snapshot of `step` (its older ones but the newest go)."""
-        self._memory.put(step, rank, generation, data, rows)
-        self._memory.keep_two(rank, generation, step)
 
     def memory_inventory(self) -> dict[tuple[int, int], dict[int, list[dict]]]:
         """{(generation, step): {rank: rows}} of every complete snapshot file this node holds (its own and replicas)."""
@@ -412,6 +424,11 @@ class NodeAgent:
         """The files of `step` held here that do not match their rows (size, CRC-32), and why."""
         bad = {rank: self._memory.verify(step, rank, rows) for rank, rows in rows_by_rank.items()}
         return {rank: why for rank, why in bad.items() if why}
+
+    def memory_records(self, generation: int, step: int, ranks: list[int]) -> dict[int, list[dict]]:
+        """The step records that this node's files of `step` carry, for `ranks`."""
+        held = self._memory.step_records(generation, step) if self._memory is not None else {}
+        return {rank: held[rank] for rank in ranks if rank in held}
 
     def memory_read(self, step: int, rank: int, generation: int) -> bytes:
         rows = self._memory.inventory(generation).get((generation, step), {}).get(rank)
@@ -430,7 +447,7 @@ class NodeAgent:
         refs = {rank: agent.memory_read.remote(step, rank, generation) for rank, agent in sources.items() if rank not in held}
         for rank, ref in refs.items():
             data = ray.get(ref, timeout=REPLICA_TIMEOUT_S)
-            self._memory.put(step, rank, generation, data, rows_by_rank[rank])
+            self._memory.put(step, rank, generation, [data], rows_by_rank[rank])
             pulled += len(data)
         rows = [row for rank in sorted(rows_by_rank) for row in rows_by_rank[rank]]
         storage.commit(self._memory.uri, step, rows, generation=generation, layout=layout, train_state=train_state)

@@ -214,7 +214,7 @@ class CheckpointCoordinator:
                 f"last error: {self._last_error}")
 
     # -- restoring -------------------------------------------------------------------------
-    def restore_point(self, group=None, upto: int | None = None) -> RestorePoint:
+    def restore_point(self, group=None, upto: int | None = None, fill: Callable | None = None) -> RestorePoint:
         """Where a recovery resumes: the newest memory step that survives whole (with the memory tier, asking `group`'s
         agents), unless the newest durable checkpoint that verifies is newer; every newer one that does not is a
         `checkpoint_skipped` event. No durable checkpoint counts when the storage does not answer within the deadline
@@ -226,7 +226,7 @@ class CheckpointCoordinator:
         if self.last_committed is None:
             self.last_committed = step  # a job that resumes starts from a committed checkpoint
         if self.memory.enabled and group is not None:
-            point = self.memory.find(group, step, self.train_state, upto)
+            point = self.memory.find(group, step, self.train_state, upto, fill)
             if point is not None:
                 return point
         return RestorePoint(step, "none" if step is None else "durable")
@@ -327,13 +327,16 @@ class MemoryTier:
         )
         return step
 
-    def find(self, group, newer_than: int | None, train_state: Callable[[int], dict], upto: int | None = None) -> RestorePoint | None:
-        """The newest memory step newer than (or as new as) `newer_than`, and not past `upto`, that survives whole and
-        verifies, with its staging plan.
+    def find(self, group, newer_than: int | None, train_state: Callable[[int], dict], upto: int | None = None,
+             fill: Callable[[dict[int, list[dict]], int], bool] | None = None) -> RestorePoint | None:
+        """The newest memory step newer than (or as new as) `newer_than` that survives whole and verifies, with its
+        staging plan.
 
         `upto` is the newest step whose every record (losses, samples) the controller holds: a snapshot can be
-        whole before the step's records reach the controller, and restoring past them would leave that step out
-        of the report and the sample ledger.
+        whole before the step's records reach the controller (a node loss takes its ranks' last ones with it),
+        and restoring past them would leave those steps out of the report and the sample ledger. A step past
+        `upto` is taken only when `fill(records, step)` completes the controller's records of the steps before
+        it from the records its files carry (`NodeMemory.step_records`).
         """
         held: dict[tuple[int, int], dict[int, dict[str, list[dict]]]] = {}  # (generation, step) -> rank -> node -> rows
         for node, inventory in group.memory_inventory().items():
@@ -342,13 +345,15 @@ class MemoryTier:
                     held.setdefault(key, {}).setdefault(rank, {})[node] = rows
         # Only this generation's snapshots, and the one it was restored from, are on the history the ledger
         # and the data position follow (a snapshot of a generation that a durable fallback rolled back is not).
-        ours = [key for key in held if (key[0] == self._generation or key == self._origin) and (upto is None or key[1] <= upto)]
+        ours = [key for key in held if key[0] == self._generation or key == self._origin]
         whole = sorted((key for key in ours if len(held[key]) == self.worlds[key[0]]), key=lambda k: (k[1], k[0]), reverse=True)
         for generation, step in whole:
             if newer_than is not None and step < newer_than:
                 return None  # the durable checkpoint is newer
             holders = self._verified_holders(group, step, held[(generation, step)])
             if holders is None:
+                continue
+            if upto is not None and step > upto and (fill is None or not fill(group.memory_records(generation, step, holders), step)):
                 continue
             ranks = held[(generation, step)]
             return RestorePoint(step, "memory", {
@@ -367,8 +372,8 @@ class MemoryTier:
             return "no node holds a memory snapshot; using the durable tier"
         step, generation = max(partial)
         missing = sorted(set(range(self.worlds[generation])) - set(held[(generation, step)]))
-        return (f"the newest memory step, {step}, lacks ranks {missing} (lost with their node and the node holding its replicas); "
-                "using the durable tier")
+        return (f"the newest memory step, {step}, lacks ranks {missing} on every node left (lost with their node and the node "
+                "holding its replicas); using the durable tier")
 
     def _verified_holders(self, group, step: int, ranks: dict[int, dict[str, list[dict]]]) -> dict[int, str] | None:
         """A node per rank whose copy of the file verifies; None (and an event per bad copy) when some rank has none."""

@@ -61,6 +61,7 @@ class _StepTally:
     digest: int = 0  # sum of the samples' CRCs (elastic.data.batch_digest)
     duration: float = 0.0  # the slowest rank's time for the step, measured on the workers
     memory_stall: float = 0.0  # the longest any rank waited in it for its memory snapshot (part of `duration`)
+    ranks: set[int] = field(default_factory=set)  # whose records are counted
 
 
 class Controller:
@@ -293,7 +294,7 @@ class Controller:
         self.max_seen_step = max(self.max_seen_step, state.step)
         for rec in state.records:
             if rec["kind"] == "step":
-                self._on_step_record(rec, now)
+                self._on_step_record(rank, rec, now)
             elif rec["kind"] == "saved":
                 self._on_saved(rank, rec)
             elif rec["kind"] == "mem_saved":
@@ -309,9 +310,12 @@ class Controller:
         if state.finished:
             self.finished_ranks.add(rank)
 
-    def _on_step_record(self, rec: dict, now: float) -> None:
+    def _on_step_record(self, rank: int, rec: dict, now: float) -> None:
         step = rec["step"]
         tally = self.tallies.setdefault(step, _StepTally())
+        if rank in tally.ranks:
+            return  # already counted (a record filled in from a memory snapshot comes again)
+        tally.ranks.add(rank)
         tally.duration = max(tally.duration, rec["t_end"] - rec["t_start"])
         tally.memory_stall = max(tally.memory_stall, rec.get("memory_stall_s", 0.0))
         if "loss_sum" not in rec:
@@ -509,6 +513,16 @@ class Controller:
         kind = "node_died" if node is not None and not self.group.node_alive(node) else "rank_died"
         self._on_failure(Failure(kind, rank, node, rank, self.completed_step + 1, detail), now)
 
+    def _fill_step_records(self, records: dict[int, list[dict]], upto: int) -> bool:
+        """Count the step records a memory snapshot carries ({rank: records}) that never reached this controller
+        (they died with their node); True when every step before `upto` is then complete."""
+        now = time.time()
+        for rank, recs in sorted(records.items()):
+            for rec in recs:
+                if self.completed_step < rec["step"] < upto:
+                    self._on_step_record(rank, rec, now)
+        return self.completed_step >= upto - 1
+
     def _replenish(self) -> None:
         for node, error in self.group.replenish().items():  # the job goes on: a rank lost there starts cold
             self.events.emit("warning", kind="spare_failed", node=node, message=f"no warm spare on node {node}: {error}")
@@ -555,7 +569,7 @@ class Controller:
             self._transition(State.FAILED, reason=decision.reason)
             return
         self._corrupt_newest()
-        point = self.checkpoints.restore_point(self.group, upto=self.completed_step + 1)
+        point = self.checkpoints.restore_point(self.group, upto=self.completed_step + 1, fill=self._fill_step_records)
         resume = self.resume_step = point.step
         self.resume_tier, self.memory_restore = point.tier, point.memory
         record["restored_from"] = point.tier

@@ -36,6 +36,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from storage.format import CheckpointError, crc32, data_file, parse_step_dir, step_dir
@@ -69,9 +70,11 @@ class NodeMemory:
         self.store = Store(self.uri)
 
     # -- a rank's writes -------------------------------------------------------------
-    def finish(self, step: int, rank: int, generation: int, rows: list[dict]) -> None:
-        """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically)."""
-        self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", json.dumps(rows).encode())
+    def finish(self, step: int, rank: int, generation: int, rows: list[dict], records: list[dict] = ()) -> None:
+        """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically), with the rank's
+        newest step records: the controller's copy of them may die with the node (see `step_records`)."""
+        body = {"rows": rows, "records": list(records)}
+        self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", json.dumps(body).encode(), durable=False)
 
     def keep_two(self, rank: int, generation: int, writing: int) -> None:
         """Before `rank` writes step `writing` (or its replica of it arrives): drop its older files but its newest complete one.
@@ -108,7 +111,20 @@ class NodeMemory:
 
     def inventory(self, generation: int | None = None) -> dict[tuple[int, int], dict[int, list[dict]]]:
         """{(generation, step): {rank: index rows}} of every complete file held here (own ranks' and replicas)."""
-        out: dict[tuple[int, int], dict[int, list[dict]]] = {}
+        return {key: {rank: body["rows"] for rank, body in ranks.items()} for key, ranks in self._bodies(generation).items()}
+
+    def step_records(self, generation: int, step: int) -> dict[int, list[dict]]:
+        """{rank: its step records} carried by the complete files of `step` held here.
+
+        A rank's step records reach the controller in batches, through its
+        node's agent; those of its last few steps die with its node. Each
+        snapshot carries the rank's newest records (`elastic.train.MEMORY_RECORDS`),
+        so a restore to a step whose records the controller lacks can fill them in.
+        """
+        return {rank: body["records"] for rank, body in self._bodies(generation).get((generation, step), {}).items()}
+
+    def _bodies(self, generation: int | None) -> dict[tuple[int, int], dict[int, dict]]:
+        out: dict[tuple[int, int], dict[int, dict]] = {}
         for key, ranks in self._complete(generation).items():
             for rank, p in ranks.items():
                 try:
@@ -131,11 +147,15 @@ class NodeMemory:
     def read(self, step: int, rel: str) -> bytes:
         return self.store.read(f"{step_dir(step)}/{rel}")
 
-    def put(self, step: int, rank: int, generation: int, data: bytes, rows: list[dict]) -> None:
+    def put(self, step: int, rank: int, generation: int, buffers: Iterable, rows: list[dict], records: list[dict] = ()) -> None:
         """Hold a copy of another node's file (a replica, or a file gathered for a restore), then its rows."""
         if rows:
-            self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", [data], durable=False)
-        self.finish(step, rank, generation, rows)
+            self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", buffers, durable=False)
+        self.finish(step, rank, generation, rows, records)
+
+    def file_path(self, step: int, rows: list[dict]) -> Path | None:
+        """The data file that `rows` index (None: a rank with nothing to store wrote none)."""
+        return self.path / step_dir(step) / rows[0]["file"] if rows else None
 
     def verify(self, step: int, rank: int, rows: list[dict]) -> str | None:
         """Why `rank`'s file of `step` does not match its rows (size, CRC-32 of the whole file); None when it does."""

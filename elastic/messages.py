@@ -52,9 +52,19 @@ class DumpStacks:
 
 @dataclass(frozen=True)
 class Reset:
-    """End the generation: stop the loop and drop the process group; answer False if the loop is still stuck after `grace_s`."""
+    """End the generation: stop the loop and drop the process group. A loop still running after `grace_s` has its
+    collectives aborted; answer False if it is still stuck `ABORT_JOIN_S` after that."""
 
     grace_s: float
+
+    @property
+    def longest_s(self) -> float:
+        """The longest a reset takes before it answers."""
+        return self.grace_s + ABORT_JOIN_S
+
+
+ABORT_JOIN_S = 1.0
+"""How long a reset waits for a loop whose collectives it aborted to return."""
 
 
 Command = Start | StopAfter | DumpStacks | Reset

@@ -22,8 +22,9 @@ Three threads:
 
 A process outlives its generation when it can: `reset` stops the loop and
 drops the process group, and the next generation reuses it warm (no new
-process, no imports). One whose loop is still stuck after the grace period
-answers False and is killed by its agent.
+process, no imports). A loop still inside a collective after the grace
+period has its collectives aborted (`_abort_collectives`), which makes it
+return; one still stuck after that answers False and is killed by its agent.
 
 Nothing at module level imports torch: `main` sets the thread and device
 environment first.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,7 +43,7 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from elastic.messages import DumpStacks, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
+from elastic.messages import ABORT_JOIN_S, DumpStacks, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
 
 REPORT_EVERY_S = 1.0
 """The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
@@ -120,10 +122,11 @@ class RankRuntime:
 
         if self._control is not None:
             self._control.stop.set()
+            self._control.replicated.release()
         if self._thread is not None:
             self._thread.join(command.grace_s)
-            if self._thread.is_alive() and _abort_nccl():
-                self._thread.join(command.grace_s)  # its collective now fails instead of waiting for a dead peer
+            if self._thread.is_alive() and _abort_collectives():
+                self._thread.join(ABORT_JOIN_S)  # its collective now fails instead of waiting for a dead peer
             if self._thread.is_alive():
                 return False
         if dist.is_initialized():
@@ -188,17 +191,36 @@ class RankRuntime:
             self._send(state)
 
 
-def _abort_nccl() -> bool:
-    """Abort this process's NCCL communicators, so that a training thread blocked in a collective with a dead peer
-    returns (with an error) and the process can be reset and kept instead of killed; False when there is nothing to abort.
+def _abort_collectives() -> bool:
+    """Make a training thread blocked in a collective with a dead or stuck peer return (with an error), so that the
+    process can be reset and kept instead of killed; False when there is no process group.
 
-    gloo needs none of this: its collectives fail within moments when a peer's connection closes.
+    NCCL: abort its communicators. gloo: its `abort` leaves a pending collective waiting (torch 2.13), so this shuts
+    down the process's connected TCP sockets instead. They are gloo's pairs and the ending generation's store client
+    (a durable save in flight to an object store would fail too: a generation that ends no longer commits it). The
+    pending op then fails with "connection closed", as do the peers' ops that wait on this rank, releasing them in
+    turn. Listening sockets stay: gloo aborts the process when its listener's accept fails.
     """
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
+    if not dist.is_initialized():
         return False
-    dist.distributed_c10d._abort_process_group()
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+        return True
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue  # not a socket (or closed since the listing)
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM \
+                    and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.detach()  # the descriptor stays gloo's to close
     return True
 
 

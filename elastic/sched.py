@@ -45,6 +45,12 @@ def normal_this_thread() -> None:
         _set_policy(0, os.SCHED_OTHER)
 
 
+def idle_this_thread() -> None:
+    """Put the calling thread on SCHED_IDLE: it runs only on a core nothing else wants (a background copy)."""
+    if hasattr(os, "SCHED_IDLE"):
+        _set_policy(0, os.SCHED_IDLE)
+
+
 @contextlib.contextmanager
 def batch_what_starts_here():
     """Processes and threads started in the block from this thread inherit SCHED_BATCH; this thread's policy is restored."""

@@ -16,9 +16,9 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_d
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.memory import NodeMemory
+from elastic.sched import idle_this_thread
 from storage.state import SnapshotPool
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize
 from elastic.schedule import lr_at
@@ -36,6 +37,9 @@ from strategies import clip_grad_norm
 
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "eval", "save", "done")
 STEP_REPORT_S = 0.25
+MEMORY_RECORDS = 16
+"""Step records each memory snapshot carries (its rank's newest): more than the steps the controller's copy of them
+lags behind the ranks (`STEP_REPORT_S` plus a poll), which a node loss takes with it (`elastic.memory`)."""
 """How often step records are pushed to the controller's waiting poll: fresh enough for progress,
 deadlines and accounting, rare enough that polling takes little from training. Each rank keeps
 its own clock: ranks in lockstep that pushed in the same instant (shared wall-clock slots) woke
@@ -82,15 +86,22 @@ class Acks:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.step = -1
+        self._released = False
 
     def ack(self, step: int) -> None:
         with self._cond:
             self.step = max(self.step, step)
             self._cond.notify_all()
 
+    def release(self) -> None:
+        """The generation ends: a wait returns now (False), not once a peer that may be gone answers."""
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+
     def wait(self, step: int, timeout_s: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: self.step >= step, timeout_s)
+            return self._cond.wait_for(lambda: self.step >= step or self._released, timeout_s) and self.step >= step
 
 
 @dataclass
@@ -156,8 +167,10 @@ class Trainer:
         self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
         self.memory = NodeMemory(spec.memory_dir) if self.cfg.checkpoint.memory and spec.memory_dir else None
-        self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer") if self.memory else None
+        self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer", initializer=idle_this_thread) if self.memory else None
         self._memory_buffers = SnapshotPool()
+        self._memory_records: deque[dict] = deque(maxlen=MEMORY_RECORDS)  # this rank's newest step records, for its snapshots
+        self._memory_layout: dict = {}  # storage.plan_writes' layout cache for the memory snapshots (this generation's layout)
         self._memory_pending = None  # (step, Future) of the memory snapshot in flight
         self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
         self.device = torch.device(spec.device)
@@ -263,6 +276,8 @@ class Trainer:
                 record.update(loss_sum=float(loss_sum), samples=indices, data_digest=digest)
             record["t_end"] = time.time()
             self.progress.record("step", **record)
+            if self.memory is not None:
+                self._memory_records.append({"kind": "step", **record})
             done = step + 1
             if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                 self.evaluate(done, reporter, dp_rank)
@@ -369,15 +384,20 @@ class Trainer:
         self.memory.keep_two(self.rank, self.spec.generation, step)
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
-        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors))
+        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, list(self._memory_records)))
 
-    def _write_memory(self, step: int, tensors: dict) -> None:
+    def _write_memory(self, step: int, tensors: dict, records: list[dict]) -> None:
         """On the memory writer's thread: write the pieces, mark them complete, tell the agent (which replicates them)."""
         t0 = time.time()
-        data = storage.snapshot(tensors, pool=self._memory_buffers) if self.device.type == "cuda" else tensors
-        rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation)
-        self.memory.finish(step, self.rank, self.spec.generation, rows)
-        self.progress.record("mem_saved", step=step, rank=self.rank, rows=rows, bytes=rows[0]["file_bytes"] if rows else 0, save_s=time.time() - t0)
+        if self.device.type == "cuda":
+            data = storage.snapshot(tensors, pool=self._memory_buffers, layout_cache=self._memory_layout)
+        else:
+            data = tensors
+        rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
+                                    layout_cache=self._memory_layout, durable=False)
+        self.memory.finish(step, self.rank, self.spec.generation, rows, records)
+        self.progress.record("mem_saved", step=step, rank=self.rank, rows=rows, records=records,
+                             bytes=rows[0]["file_bytes"] if rows else 0, save_s=time.time() - t0)
 
     def _memory_settled(self) -> None:
         """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.

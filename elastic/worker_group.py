@@ -14,6 +14,7 @@ an agent that dies or does not answer while a generation starts is a
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.agent import COMMAND_TIMEOUT_S, NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
-from elastic.messages import RankStatus, StackDump
+from elastic.messages import RankStatus, Reset, StackDump
 from elastic.recipe import working_dir
+from elastic.replica_link import SECRET_BYTES
 
 
 @dataclass
@@ -77,6 +79,7 @@ class RayWorkerGroup:
     generation: int = -1
     memory_floor: tuple[int, int] | None = None  # (generation, step) of the newest committed memory step: agents drop older snapshots
     memory_job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this job's memory directories
+    replica_secret: str = field(default_factory=lambda: secrets.token_hex(SECRET_BYTES))  # opens the agents' replication links
     memory_staged: dict[str, dict] = field(default_factory=dict)  # the last start's memory restore, per node (agent.memory_stage)
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
 
@@ -102,7 +105,7 @@ class RayWorkerGroup:
         """The node's agent, created on first use with the node's whole worker capacity reserved."""
         if node_id not in self.agents:
             s, c = self.cfg.scaling, self.cfg.checkpoint
-            memory = {"dir": c.memory_dir, "job": self.memory_job, "replicas": c.memory_replicas} if c.memory else None
+            memory = {"dir": c.memory_dir, "job": self.memory_job, "replicas": c.memory_replicas, "secret": self.replica_secret} if c.memory else None
             self.agents[node_id] = NodeAgent.options(
                 num_cpus=slots * s.cpus_per_worker,
                 num_gpus=slots * s.gpus_per_worker,
@@ -185,6 +188,15 @@ class RayWorkerGroup:
         usable = dict(self.node_slots())
         answers, _ = self._gather({n: a.memory_inventory.remote() for n, a in self.agents.items() if n in usable}, CALL_TIMEOUT_S)
         return answers
+
+    def memory_records(self, generation: int, step: int, holders: dict[int, str]) -> dict[int, list[dict]]:
+        """The step records that the files of memory step `step` carry, from the node holding each rank's ({rank: node})."""
+        by_node: dict[str, list[int]] = {}
+        for rank, node in holders.items():
+            by_node.setdefault(node, []).append(rank)
+        answers, _ = self._gather({n: self.agents[n].memory_records.remote(generation, step, ranks) for n, ranks in by_node.items()},
+                                  CALL_TIMEOUT_S)
+        return {rank: records for per_rank in answers.values() for rank, records in per_rank.items()}
 
     def memory_verify(self, step: int, files: dict[str, dict[int, list[dict]]]) -> dict[tuple[str, int], str]:
         """Check the files of `step` on the nodes that hold them ({node: {rank: rows}}); {(node, rank): why} for each that fails."""
@@ -300,17 +312,22 @@ class RayWorkerGroup:
         _, failed = self._gather({n: self._agent(n, slots).spare.remote() for n, slots in self.node_slots()}, SPARE_TIMEOUT_S)
         return failed
 
-    def teardown(self, kill_ranks=(), grace_s: float = 0.5) -> int:
+    def teardown(self, kill_ranks=(), grace_s: float = 0.1) -> int:
         """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.
 
         Each agent kills its ranks in `kill_ranks` (dead, or the culprit of a
         hang) first: that breaks the collectives the others wait in, so their
-        loops end and can be reset. A survivor still stuck after `grace_s` is
-        killed too: nobody waits for a collective timeout.
+        loops end and can be reset. A survivor whose loop has not ended after
+        `grace_s` (most are inside a collective with a peer that will never
+        answer) has its collectives aborted, and is killed only if even that
+        leaves it stuck: nobody waits for a collective timeout, and a survivor
+        is not replaced by a cold process. The grace is short because the
+        generation is over: it only lets a loop at a step boundary leave
+        cleanly.
         """
         refs = {n: self.agents[n].teardown.remote([m.rank for m in ms if m.rank in set(kill_ranks)], grace_s)
                 for n, ms in self._by_node().items()}
-        answers, failed = self._gather(refs, grace_s + 2.0)
+        answers, failed = self._gather(refs, Reset(grace_s).longest_s + 2.0)
         # An agent that died (its node went, or it was killed) or cannot end its generation in time goes, with
         # its ranks: the next start makes a new one.
         for node_id in failed:

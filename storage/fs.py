@@ -99,9 +99,11 @@ class Store:
         """Write a file from a sequence of byte buffers; with `durable`, it is on stable storage on return."""
         if self.local is not None:
             with self._parent(rel, create=True) as (fd, name):
-                _write_local(fd, name, rel, buffers, durable)
                 if durable:
+                    _write_local(fd, name, rel, buffers, durable=True)
                     os.fsync(fd)
+                else:
+                    _write_plain(fd, name, rel, buffers)
             return
         self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)  # on S3: creates a missing bucket
         if self.arrow is not None:
@@ -117,7 +119,7 @@ class Store:
             for buf in buffers:
                 f.write(memoryview(buf).cast("B"))
 
-    def write_atomic(self, rel: str, data: bytes, *, publish_if: Callable[[], bool] | None = None) -> bool:
+    def write_atomic(self, rel: str, data: bytes, *, publish_if: Callable[[], bool] | None = None, durable: bool = True) -> bool:
         """Publish a small file all at once: readers see the old state or the whole new file, never a part.
 
         `publish_if()` is asked at the last moment, once the bytes are on
@@ -128,12 +130,16 @@ class Store:
         if self.local is not None:
             with self._parent(rel, create=True) as (fd, name):
                 tmp = f".{name}.{uuid.uuid4().hex}.tmp"
-                _write_local(fd, tmp, rel, [data], durable=True)
+                if durable:
+                    _write_local(fd, tmp, rel, [data], durable=True)
+                else:
+                    _write_plain(fd, tmp, rel, [data])
                 if publish_if is not None and not publish_if():
                     os.unlink(tmp, dir_fd=fd)
                     return False
                 os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)  # replaces a link planted there, never its target
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             return True
         if publish_if is not None and not publish_if():
             return False
@@ -617,6 +623,26 @@ class _DirectFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
+    """Write a file straight into the page cache (RAM on /dev/shm), buffer by buffer; returns its size.
+
+    For files that need not outlive the machine (the memory tier's): no
+    staging copy, no writer thread, no fsync, which on small files cost more
+    than the bytes.
+    """
+    fd = _open_at(dir_fd, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, shown)
+    size = 0
+    try:
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view, size = view[n:], size + n
+    finally:
+        os.close(fd)
+    return size
 
 
 def _write_local(dir_fd: int, name: str, shown: str, buffers: Iterable, durable: bool) -> int:

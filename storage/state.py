@@ -184,19 +184,30 @@ def _replica_choice(key: str, t: torch.Tensor, tensors: dict[str, torch.Tensor])
     return is_writer(key, [c for c, is_shard in zip(coords, sharded) if is_shard], axes)
 
 
-def plan_writes(tensors: dict[str, torch.Tensor]) -> dict[str, LocalPart]:
-    """The pieces this rank writes, as views of the live tensors (no copy)."""
+def plan_writes(tensors: dict[str, torch.Tensor], layout_cache: dict | None = None) -> dict[str, LocalPart]:
+    """The pieces this rank writes, as views of the live tensors (no copy).
+
+    Which boxes a tensor holds and whether this rank is their writer is
+    device-mesh arithmetic per tensor, which on a small model costs more than
+    writing the data; the answer changes only with the layout. A
+    `layout_cache` (a dict kept by the caller for saves of one model at one
+    layout) keeps it from save to save.
+    """
     out = {}
     for key, t in tensors.items():
         if isinstance(t, LocalPart):
             out[key] = t
             continue
-        local, boxes = tensor_boxes(t)
-        pieces = []
-        if boxes and _replica_choice(key, t, tensors):
-            for box in boxes:
-                pieces.extend((b, local_view(local, b)) for b in split_rows(box, t.element_size(), PIECE_BYTES))
-        out[key] = LocalPart(tuple(t.shape), t.dtype, pieces)
+        shape = tuple(t.shape)
+        cached = layout_cache.get(key) if layout_cache is not None else None
+        if cached is None or cached[0] != shape:
+            _, boxes = tensor_boxes(t)
+            mine = bool(boxes) and _replica_choice(key, t, tensors)
+            cached = (shape, [b for box in boxes for b in split_rows(box, t.element_size(), PIECE_BYTES)] if mine else [])
+            if layout_cache is not None:
+                layout_cache[key] = cached
+        local = t.to_local() if isinstance(t, DTensor) else t
+        out[key] = LocalPart(shape, t.dtype, [(b, local_view(local, b)) for b in cached[1]])
     return out
 
 
@@ -225,7 +236,7 @@ class SnapshotPool:
         self._free, self._used = self._used, {}
 
 
-def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = None) -> dict[str, LocalPart]:
+def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = None, layout_cache: dict | None = None) -> dict[str, LocalPart]:
     """A CPU copy of what this rank will write (pinned when the data is on a GPU).
 
     Training may change the live tensors as soon as this returns; a
@@ -233,7 +244,7 @@ def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = No
     `pool`, the copies go into the buffers of the pool's previous snapshot
     (which must be written by now) and this snapshot's buffers become the pool.
     """
-    return copy_pieces(plan_writes(tensors), pool=pool, ready=compute_done(tensors))
+    return copy_pieces(plan_writes(tensors, layout_cache), pool=pool, ready=compute_done(tensors))
 
 
 def compute_done(tensors: dict[str, torch.Tensor]) -> "torch.cuda.Event | None":

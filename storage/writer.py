@@ -50,7 +50,8 @@ _BLOCK = 1 << 20
 
 
 def write_shards(
-    uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None
+    uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None,
+    layout_cache: dict | None = None, durable: bool = True,
 ) -> list[dict]:
     """Write this rank's pieces of `tensors` (live tensors or a `snapshot`) into its file of `generation`; returns JSON-able index rows.
 
@@ -60,9 +61,10 @@ def write_shards(
     has the index columns (key, dtype, shape, offsets, lengths, file,
     byte_offset, nbytes, crc32) plus `file_bytes` and `file_crc32` of the whole
     data file, which the commit moves into the manifest. A rank with nothing to
-    write returns no rows and creates no file.
+    write returns no rows and creates no file. `layout_cache`: see `plan_writes`;
+    `durable=False` for files that need not outlive the machine (the memory tier's).
     """
-    plan = plan_writes(tensors)
+    plan = plan_writes(tensors, layout_cache)
     if not any(part.pieces for part in plan.values()):
         return []
     rel = data_file(rank, generation)
@@ -102,7 +104,7 @@ def write_shards(
             file_crc = crc32_combine(file_crc, crc, raw.nbytes)
             pos = row["byte_offset"] + raw.nbytes
 
-    Store(uri, storage_options).write(f"{step_dir(step)}/{rel}", buffers())
+    Store(uri, storage_options).write(f"{step_dir(step)}/{rel}", buffers(), durable=durable)
     for row in rows:
         row["file_bytes"], row["file_crc32"] = offset, file_crc
     return rows
@@ -240,6 +242,7 @@ class BackgroundWriter:
         self._copied: Future | None = None
         self._waited = 0.0
         self._buffers = SnapshotPool()
+        self._layout: dict = {}  # plan_writes' layout cache: a writer serves one trainer, whose layout is fixed
 
     def submit(
         self, uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None
@@ -252,7 +255,7 @@ class BackgroundWriter:
         if last is not None:
             wait_futures([last])
         self._waited = time.perf_counter() - t0
-        plan, ready = plan_writes(tensors), compute_done(tensors)
+        plan, ready = plan_writes(tensors, self._layout), compute_done(tensors)
         copied = Future()
 
         def copy_and_write() -> list[dict]:

@@ -331,3 +331,30 @@ def test_a_fault_injected_at_step_20_is_reported_at_step_20(tmp_path):
     assert report["checkpoint_stall_s"] == pytest.approx(0.03)
     assert report["checkpoint_commit_s"] > 0
     _ledger_clean(ctrl)
+
+
+def test_step_records_a_memory_snapshot_carries_complete_the_steps_a_lost_node_took_with_it(tmp_path):
+    # Ranks 2 and 3's records of steps 3 and 4 died with their node; their snapshot of step 5 carries them. Counting
+    # them completes those steps once each (records the controller already counted are not counted again).
+    ctrl, group, _ = _setup(tmp_path)
+    ctrl.step()  # start
+    for _ in range(3):
+        ctrl.step()  # steps 0-2 complete on every rank
+    assert ctrl.completed_step == 2
+    carried = {}
+    for r in range(4):
+        recs = []
+        for s in (2, 3, 4):
+            rec = {"kind": "step", "step": s, "t_start": 0.0, "t_end": 0.01, "grad_norm": 1.0}
+            if ctrl.layout.is_data_reporter(r):
+                rec.update(loss_sum=1.0, samples=group.sampler.rank_indices(s, ctrl.layout.dp_rank(r), ctrl.layout.dp), data_digest=0)
+            recs.append(rec)
+        carried[r] = recs
+    for r in (0, 1):  # the surviving node's ranks reported step 3 already
+        ctrl._on_step_record(r, carried[r][1], 0.0)
+    assert not ctrl._fill_step_records({r: carried[r][:2] for r in range(4)}, upto=5)  # step 4's records are not all there
+    assert ctrl.completed_step == 3
+    assert ctrl._fill_step_records(carried, upto=5) and ctrl.completed_step == 4
+    assert sorted(ctrl.losses) == [0, 1, 2, 3, 4]
+    expected = [i for s in range(5) for i in ctrl.sampler.global_indices(s)]
+    assert ctrl.ledger.summary(expected) == {"expected": len(expected), "seen_once": len(expected), "duplicated": 0, "missing": 0}

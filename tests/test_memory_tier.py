@@ -6,6 +6,9 @@ survives a node loss, a broken or half-written snapshot is never restored)
 on an embedded multi-node Ray cluster with real process and node kills.
 """
 
+import os
+
+import pytest
 import torch
 
 from chaos_checks import rel_diff
@@ -14,6 +17,7 @@ from elastic.checkpointing import MemoryTier
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
 from elastic.memory import NodeMemory
+from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
 from test_ray_elastic import _cfg as ray_cfg
 from test_ray_elastic import _clean_ledger
@@ -56,6 +60,35 @@ def test_a_late_replica_drops_nothing_newer_and_no_directory_a_writer_may_use(tm
     assert sorted(mem.inventory()) == [(1, 2), (1, 3), (1, 4)]
     _write(mem, 5, rank=0)
     assert sorted(mem.inventory()) == [(1, 4), (1, 5)] and (mem.path / "step_00000005" / "data").is_dir()
+
+
+def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_path):
+    # One node's agent streams a rank's finished file to its peer's memory directory over loopback TCP; the replica
+    # is complete there (rows after data), byte for byte, with the step records it carries. A connection without
+    # the job's secret writes nothing.
+    here, there = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
+    secret = os.urandom(SECRET_BYTES)
+    server = ReplicaServer(there, "127.0.0.1", secret)
+    client = ReplicaClient(server.address, secret, timeout_s=10)
+    try:
+        for step in (1, 2, 3):
+            rows = _write(here, step, rank=0, value=float(step))
+            client.send(here.file_path(step, rows), step, 0, 1, rows, [{"kind": "step", "step": step - 1}])
+        client.send(None, 3, 1, 1, [], [])  # a rank with nothing to store
+        assert sorted(there.inventory()) == [(1, 2), (1, 3)]  # the peer keeps two of each rank's, like the rank
+        assert there.inventory()[(1, 3)] == {0: rows, 1: []}
+        assert there.step_records(1, 3) == {0: [{"kind": "step", "step": 2}], 1: []}
+        assert there.verify(3, 0, rows) is None
+        assert (there.path / "step_00000003" / rows[0]["file"]).read_bytes() == here.file_path(3, rows).read_bytes()
+        stranger = ReplicaClient(server.address, os.urandom(SECRET_BYTES), timeout_s=10)
+        with pytest.raises(ConnectionError):
+            stranger.send(here.file_path(3, rows), 4, 0, 1, rows, [])
+        assert (1, 4) not in there.inventory()
+        client.send(here.file_path(3, rows), 4, 0, 1, rows, [])  # the link still works for its own sender
+        assert (1, 4) in there.inventory()
+    finally:
+        client.close()
+        server.close()
 
 
 def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
@@ -106,13 +139,40 @@ def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lo
     for step in (6, 7):
         for rank, own, peer in ((0, a, b), (1, b, a)):
             rows = _write(own, step, rank)
-            peer.put(step, rank, 1, own.read(step, rows[0]["file"]), rows)
+            peer.put(step, rank, 1, [own.read(step, rows[0]["file"])], rows)
     _write(a, 8, rank=0)  # rank 1 died writing step 8: not whole anywhere
     tier, events = _tier(tmp_path)
     point = tier.find(_Agents({"b": b}), newer_than=4, train_state=lambda s: {"step": s, "data": {"position": 16 * s}})
     assert point.tier == "memory" and point.step == 7 and point.memory["train_state"]["data"]["position"] == 112
     assert point.memory["holders"] == {0: "b", 1: "b"}  # node a is gone: rank 0's file is its replica on b
     assert tier.find(_Agents({"a": a, "b": b}), newer_than=8, train_state=lambda s: {}) is None  # the durable step is newer
+
+
+def test_a_step_past_the_controllers_records_is_restored_only_when_its_files_fill_them_in(tmp_path):
+    # Node a is gone with its ranks' records of the last steps: the controller holds every record up to step 6
+    # (upto), the snapshot of step 7 survives whole on b. Step 7 is taken when the records its files carry
+    # complete the controller's; otherwise step 6, whose records it holds.
+    a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
+    for step in (6, 7):
+        for rank, own, peer in ((0, a, b), (1, b, a)):
+            rows = _write(own, step, rank)
+            records = [{"kind": "step", "step": step - 1, "rank": rank}]
+            own.finish(step, rank, 1, rows, records)
+            peer.put(step, rank, 1, [own.read(step, rows[0]["file"])], rows, records)
+    agents = _Agents({"b": b})
+    agents.memory_records = lambda generation, step, holders: {
+        r: b.step_records(generation, step)[r] for r, node in holders.items() if node == "b"}
+    tier, _ = _tier(tmp_path)
+    offered = []
+
+    def fill(records, step, ok):
+        offered.append((step, records))
+        return ok
+
+    point = tier.find(agents, None, lambda s: {}, upto=6, fill=lambda r, s: fill(r, s, True))
+    assert point.step == 7 and offered == [(7, {0: [{"kind": "step", "step": 6, "rank": 0}], 1: [{"kind": "step", "step": 6, "rank": 1}]})]
+    point = tier.find(agents, None, lambda s: {}, upto=6, fill=lambda r, s: fill(r, s, False))
+    assert point.step == 6 and [s for s, _ in offered] == [7, 7]
 
 
 def test_a_generation_rolled_back_to_the_durable_tier_is_never_restored_from(tmp_path):
@@ -132,7 +192,7 @@ def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tm
     a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
     for rank, own, peer in ((0, a, b), (1, b, a)):
         rows = _write(own, 3, rank)
-        peer.put(3, rank, 1, own.read(3, rows[0]["file"]), rows)
+        peer.put(3, rank, 1, [own.read(3, rows[0]["file"])], rows)
     tier, events = _tier(tmp_path)
     a.corrupt(seed=1)
     point = tier.find(_Agents({"a": a, "b": b}), newer_than=None, train_state=lambda s: {"data": {"position": 0}})
@@ -152,7 +212,8 @@ def test_kills_and_a_node_loss_cost_at_most_one_step_from_memory_into_another_la
     layout = {"parallel.pp": 2, "parallel.tp": 2}
     ref = run_job(_cfg(tmp_path, "ref", **layout), quiet=True)
     inject = ["kill:rank=1,step=10", "kill_during_save:rank=2,step=19", "node:rank=3,step=27"]
-    hit = run_job(_cfg(tmp_path, "mem", **layout, **{"checkpoint.memory": "true"}), inject, quiet=True)
+    cfg = _cfg(tmp_path, "mem", **layout, **{"checkpoint.memory": "true"})
+    hit = run_job(cfg, inject, quiet=True)
     assert ref["state"] == hit["state"] == "FINISHED", hit["reason"]
     assert [f["kind"] for f in hit["failures"]] == ["kill", "kill_during_save", "node"]
     tiers = [f["restored_from"] for f in hit["failures"]]
@@ -160,6 +221,10 @@ def test_kills_and_a_node_loss_cost_at_most_one_step_from_memory_into_another_la
     # A node loss can take its ranks' last step records with it; a restore never goes past the records the
     # controller holds, so it may fall back to the durable tier (README, "What a failure costs").
     assert all(f["lost_steps"] <= 1 for f in hit["failures"] if f["restored_from"] == "memory"), hit["failures"]
+    # Survivors stuck in a collective with the dead rank have their collectives aborted and are kept warm, not
+    # replaced by cold processes (the kills leave 3 survivors, the node loss 2).
+    kept = [e["workers_kept"] for e in read_events(cfg.run_dir / "events.jsonl") if e["event"] == "recovering"]
+    assert kept == [3, 3, 2], kept
     # The rank died writing snapshot 19: that step is not whole, the one before it is what came back.
     assert hit["failures"][1]["resume_step"] == 18
     assert hit["world_sizes"] == [4, 4, 4, 2] and hit["layouts"][-1] != hit["layouts"][0]
