@@ -6,7 +6,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow chaos bench bench-strategies bench-checkpoint bench-recovery bench-s3 bench-data clean
+.PHONY: setup demo test test-slow chaos bench bench-strategies bench-memory bench-checkpoint bench-recovery bench-s3 bench-data clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,7 @@ chaos: $(STAMP)
 	$(PY) -m pytest -q --timeout 3600 -m chaos
 
 # Every benchmark, one after the other (their times below; bench/README.md). A new bench-* target goes here too.
-bench: bench-strategies bench-checkpoint bench-recovery bench-s3 bench-data
+bench: bench-strategies bench-memory bench-checkpoint bench-recovery bench-s3 bench-data
 
 # Recovery benchmark (elastic vs Ray Train vs plain torch.distributed; ~5 min): bench/results/recovery.json
 bench-recovery: $(STAMP)
@@ -38,6 +38,10 @@ bench-recovery: $(STAMP)
 # Each parallel layout under the manager vs the same Trainer as plain torch.distributed, 6 alternating rounds (~40 min; bench/README.md).
 bench-strategies: $(STAMP)
 	$(PY) bench/strategies.py --rounds 6 --steps 60
+
+# The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds (~30 min): bench/results/memory_tier.json
+bench-memory: $(STAMP)
+	$(PY) bench/strategies.py --memory-cost --rounds 2 --steps 50
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)

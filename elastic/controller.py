@@ -569,6 +569,7 @@ class Controller:
             self._transition(State.FAILED, reason=decision.reason)
             return
         self._corrupt_newest()
+        known = self.completed_step
         point = self.checkpoints.restore_point(self.group, upto=self.completed_step + 1, fill=self._fill_step_records)
         resume = self.resume_step = point.step
         self.resume_tier, self.memory_restore = point.tier, point.memory
@@ -587,5 +588,6 @@ class Controller:
             del self.eval_losses[step]
         self.open_failure = record
         self.events.emit("recovering", resume_step=resume, restored_from=point.tier, lost_steps=record["lost_steps"],
-                         reason=decision.reason, workers_kept=kept)
+                         reason=decision.reason, workers_kept=kept,
+                         **({"steps_filled_from_memory": self.completed_step - known} if self.completed_step > known else {}))
         self._transition(State.SCHEDULING, resume_step=resume)
