@@ -41,7 +41,7 @@ bench-strategies: $(STAMP)
 
 # The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds (~30 min): bench/results/memory_tier.json
 bench-memory: $(STAMP)
-	$(PY) bench/strategies.py --memory-cost --rounds 2 --steps 50
+	$(PY) bench/memory_tier.py --rounds 2 --steps 50
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)
