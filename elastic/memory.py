@@ -95,10 +95,11 @@ class NodeMemory:
             return []
         return sorted(s for s in map(parse_step_dir, names) if s is not None)
 
-    def _complete(self, generation: int | None) -> dict[tuple[int, int], dict[int, Path]]:
-        """{(generation, step): {rank: its rows file}} of the complete files here (of one generation, or all)."""
+    def _complete(self, generation: int | None, only_step: int | None = None) -> dict[tuple[int, int], dict[int, Path]]:
+        """{(generation, step): {rank: its rows file}} of the complete files here (of one generation, or all; of one
+        step, or all)."""
         out: dict[tuple[int, int], dict[int, Path]] = {}
-        for step in self.steps():
+        for step in self.steps() if only_step is None else [only_step]:
             try:  # the agent may drop the step between the listing and this (drop_below)
                 names = list((self.path / step_dir(step) / "rows").iterdir())
             except (FileNotFoundError, NotADirectoryError):
@@ -121,11 +122,12 @@ class NodeMemory:
         snapshot carries the rank's newest records (`elastic.train.MEMORY_RECORDS`),
         so a restore to a step whose records the controller lacks can fill them in.
         """
-        return {rank: body["records"] for rank, body in self._bodies(generation).get((generation, step), {}).items()}
+        return {rank: body["records"] for rank, body in self._bodies(generation, step).get((generation, step), {}).items()}
 
-    def _bodies(self, generation: int | None) -> dict[tuple[int, int], dict[int, dict]]:
+    def _bodies(self, generation: int | None, step: int | None = None) -> dict[tuple[int, int], dict[int, dict]]:
+        """The parsed rows files ({"rows", "records"}) of the complete files held here, of one generation and step or all."""
         out: dict[tuple[int, int], dict[int, dict]] = {}
-        for key, ranks in self._complete(generation).items():
+        for key, ranks in self._complete(generation, step).items():
             for rank, p in ranks.items():
                 try:
                     out.setdefault(key, {})[rank] = json.loads(p.read_bytes())

@@ -37,14 +37,14 @@ from strategies import clip_grad_norm
 
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "eval", "save", "done")
 STEP_REPORT_S = 0.25
-MEMORY_RECORDS = 16
-"""Step records each memory snapshot carries (its rank's newest): more than the steps the controller's copy of them
-lags behind the ranks (`STEP_REPORT_S` plus a poll), which a node loss takes with it (`elastic.memory`)."""
 """How often step records are pushed to the controller's waiting poll: fresh enough for progress,
 deadlines and accounting, rare enough that polling takes little from training. Each rank keeps
 its own clock: ranks in lockstep that pushed in the same instant (shared wall-clock slots) woke
 their reporters together, and with four ranks to a core those bursts slowed the steps down more
 than spread-out pushes did (bench/README.md)."""
+MEMORY_RECORDS = 16
+"""Step records each memory snapshot carries (its rank's newest): more than the steps the controller's copy of them
+lags behind the ranks (`STEP_REPORT_S` plus a poll), which a node loss takes with it (`elastic.memory`)."""
 
 
 class Progress:
