@@ -55,6 +55,7 @@ from pathlib import Path
 import ray
 
 import storage
+from storage.format import encode_index
 from elastic.memory import NodeMemory, memory_root
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
@@ -86,6 +87,7 @@ class _Child:
     state: RankState | None = None  # the last state it pushed, without its records
     records: list = field(default_factory=list)  # records not yet polled, of generation `records_gen`
     records_gen: int = -1
+    stepped_gen: int = -1  # the newest generation whose first step record it has pushed
     replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # a command and a replica's acknowledgement never interleave
@@ -129,6 +131,8 @@ class NodeAgent:
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
+        if self._memory is not None:  # the first commit of a restore would import these (pandas, through pyarrow): 0.8 s
+            threading.Thread(target=encode_index, args=([],), name="warm-up", daemon=True).start()
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "gpu_ids": self._gpu_ids}
@@ -180,12 +184,15 @@ class NodeAgent:
                         c.records, c.records_gen = [], message.generation
                     c.records.extend(records)
                     c.state = replace(message, records=[])
+                    first_step = c.stepped_gen != message.generation and any(r["kind"] == "step" for r in records)
+                    if first_step:
+                        c.stepped_gen = message.generation
                 for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
                     if self._peer is not None:
                         self._replicator.submit(self._replicate, c, message.generation, rec)
                     else:
                         self._pass_on(c, message.generation, rec, replicated=False)
-                if message.finished or message.error or self._news(records):
+                if message.finished or message.error or self._news(records, first_step):
                     self._changed.set()
             elif isinstance(message, Reply):
                 c.replies.put(message)
@@ -200,12 +207,13 @@ class NodeAgent:
         c.replies.put(None)  # whoever waits on a reply learns at once that none will come
         self._changed.set()
 
-    def _news(self, records: list[dict]) -> bool:
+    def _news(self, records: list[dict], first_step: bool = False) -> bool:
         """Whether `records` should wake the controller's poll now: any but step records at once, step records at most
         every `elastic.train.STEP_REPORT_S` (a rank whose memory snapshots make it push every step must not make the
-        poll answer every step: each answer is CPU taken from training)."""
+        poll answer every step: each answer is CPU taken from training), except a generation's first step record
+        (`first_step`: a recovery is timed, and its new generation's progress watched, from it)."""
         now = time.monotonic()
-        if any(r["kind"] not in ("step", "eval") for r in records) or (records and now - self._last_wake >= STEP_REPORT_S):
+        if first_step or any(r["kind"] not in ("step", "eval") for r in records) or (records and now - self._last_wake >= STEP_REPORT_S):
             self._last_wake = now
             return True
         return False

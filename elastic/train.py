@@ -57,6 +57,7 @@ class Progress:
         self.changed = threading.Event()  # set by every record: wakes a waiting long poll
         self._records: list[dict] = []
         self._last_wake = 0.0
+        self._stepped = False  # whether the first step record is out: it wakes the poll at once (recovery is timed to it)
         self._lock = threading.Lock()
 
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -69,8 +70,10 @@ class Progress:
         now = time.time()
         with self._lock:
             self._records.append({"kind": kind, "t": now, **fields})
-        # Step and eval-batch records wake the poll at most every STEP_REPORT_S (they travel in small batches); others at once.
-        if kind not in ("step", "eval") or now - self._last_wake >= STEP_REPORT_S:
+        # Step and eval-batch records wake the poll at most every STEP_REPORT_S (they travel in small batches); others,
+        # and the generation's first step, at once.
+        first_step, self._stepped = kind == "step" and not self._stepped, self._stepped or kind == "step"
+        if first_step or kind not in ("step", "eval") or now - self._last_wake >= STEP_REPORT_S:
             self._last_wake = now
             self.changed.set()
 

@@ -62,3 +62,37 @@ def test_failure_policy_limits_and_excludes():
     assert policy.decide(Failure("rank_died", 0, "nodeB", 0, 12)).retry
     d = policy.decide(Failure("rank_died", 0, "nodeB", 0, 14))
     assert not d.retry and "max_failures" in d.reason
+
+
+def test_a_generations_first_step_record_wakes_the_poll_at_once_later_ones_in_batches():
+    from elastic.train import Progress
+
+    progress = Progress()
+    progress.record("ready", start_step=5)
+    progress.changed.clear()
+    progress.record("step", step=5)  # right after "ready": a recovery is timed to this record
+    assert progress.changed.is_set()
+    progress.changed.clear()
+    progress.record("step", step=6)  # within STEP_REPORT_S of the last wake: it waits for the batch
+    assert not progress.changed.is_set()
+    assert [r["step"] for r in progress.drain() if r["kind"] == "step"] == [5, 6]
+
+
+def test_a_warmed_rank_process_builds_its_first_model_without_importing_anything():
+    """What a spare pays at start (`rank_process._warm_up`) is not paid again on the recovery path (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, elastic.train\n"
+        "from elastic.rank_process import _warm_up\n"
+        "from elastic.config import ModelConfig\n"
+        "from elastic.recipe import build_model\n"
+        "import elastic.model  # the builder's own module: the job's, imported by its first build\n"
+        "_warm_up()\n"
+        "before = set(sys.modules)\n"
+        "build_model(ModelConfig())\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
