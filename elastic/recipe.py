@@ -13,7 +13,6 @@ YAML is found everywhere.
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib
 import json
@@ -134,15 +133,18 @@ def initialize(pm: ParallelModel, model: nn.Module, cfg: JobConfig) -> str:
     return f"seed {cfg.training.seed}"
 
 
-def build_parallel_model(cfg: JobConfig, mesh, device: torch.device) -> tuple[ParallelModel, nn.Module]:
-    """The job's model parallelized over `mesh` and materialised on `device` (parameters not yet filled), and the whole model on meta."""
+def build_parallel_model(cfg: JobConfig, mesh, device: torch.device) -> ParallelModel:
+    """The job's model parallelized over `mesh` and materialised on `device` (parameters not yet filled).
+
+    `initialize` needs the whole model too (on meta, from `build_model`): a
+    resumed generation does not, and does not pay for it.
+    """
     from strategies import parallelize
 
     model, spec = build_model(cfg.model)
-    whole = copy.deepcopy(model)  # parallelize cuts and shards `model`; initialisers read names and shapes from this one
     pm = parallelize(model, mesh, cfg.parallel, micro_batch=cfg.training.micro_batch, spec=spec)
     pm.materialize(device)
-    return pm, whole
+    return pm
 
 
 def build_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:

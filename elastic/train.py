@@ -31,7 +31,7 @@ from elastic.layout import Layout
 from elastic.memory import NodeMemory
 from elastic.sched import idle_this_thread
 from storage.state import SnapshotPool
-from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize
+from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize, model_vocab_size
 from elastic.schedule import lr_at
 from strategies import clip_grad_norm
 
@@ -177,9 +177,8 @@ class Trainer:
         self._memory_pending = None  # (step, Future) of the memory snapshot in flight
         self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
         self.device = torch.device(spec.device)
-        _, model_spec = build_model(self.cfg.model)
         info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
-        self.data, self.eval_data = open_datasets(self.cfg, info, model_spec.vocab_size or self.cfg.model.vocab_size)
+        self.data, self.eval_data = open_datasets(self.cfg, info, model_vocab_size(self.cfg.model) or self.cfg.model.vocab_size)
         self.sampler = GlobalSampler(
             info.train_samples, self.cfg.data.seed, self.cfg.training.global_batch, spec.resume_step or 0, spec.data_position
         )
@@ -189,10 +188,10 @@ class Trainer:
         cfg = self.cfg
         self.progress.enter("load")
         self.mesh = self.layout.build_mesh(self.device.type)
-        self.pm, whole = build_parallel_model(cfg, self.mesh, self.device)
+        self.pm = build_parallel_model(cfg, self.mesh, self.device)
         self.optimizer = build_optimizer(self.pm.parameters(), cfg.training)
         if self.spec.resume_step is None:
-            initialize(self.pm, whole, cfg)
+            initialize(self.pm, build_model(cfg.model)[0], cfg)
             self.start_step = 0
         else:
             uri = self.spec.memory_dir if self.spec.resume_tier == "memory" else cfg.checkpoint.uri

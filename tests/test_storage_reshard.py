@@ -90,7 +90,27 @@ def _save_at_four(rank: int, world: int, root: str) -> dict:
             _save(f"{root}/{name}", 2, rank, layout, pm3, opt3)
             out[name] = _full(storage.state_tensors(pm3.model_parts, opt3))
     out.update(_load_at(rank, world, root, {"tp2": Layout(pp=2, dp_shard=2), "pp2": Layout(tp=2, dp_shard=2)}))
+    out["state_init_same"] = torch.tensor(_state_init_matches_the_step_on_dtensors(Layout(tp=2, dp_shard=2)))
     return out
+
+
+def _state_init_matches_the_step_on_dtensors(layout: Layout) -> bool:
+    """The optimizer state a load's template gets (made on local tensors, then placed) is what the zero-lr step on the
+    DTensors makes: the same placements, shapes, dtypes and values, and the parameters unchanged."""
+    from storage.state import _zero_lr_step
+
+    (pm, opt), (ref_pm, ref_opt) = _build(layout), _build(layout)
+    before = _full(storage.state_tensors(pm.model_parts))
+    fast = storage.state_tensors(pm.model_parts, opt)
+    _zero_lr_step(ref_opt, list(ref_pm.parameters()), {})
+    ref = storage.state_tensors(ref_pm.model_parts, ref_opt)
+    same_layout = fast.keys() == ref.keys() and all(
+        type(fast[k]) is type(ref[k]) and fast[k].shape == ref[k].shape and fast[k].dtype == ref[k].dtype
+        and (not isinstance(ref[k], DTensor) or fast[k].placements == ref[k].placements)
+        for k in ref
+    )
+    fast_full, ref_full = _full(fast), _full(ref)
+    return same_layout and all(torch.equal(fast_full[k], ref_full[k]) for k in ref) and all(torch.equal(before[k], fast_full[k]) for k in before)
 
 
 SAVED = {
@@ -134,6 +154,7 @@ def test_reshard_matrix(tmp_path):
     four = run_distributed(_save_at_four, 4, root)
     saved = {name: _merged(four, name) for name in SAVED}
     assert bool(four[0]["resume_same"]), "a resume at the same layout must continue bitwise like a run that never stopped"
+    assert all(bool(r["state_init_same"]) for r in four), "a load's optimizer state template must be what a step on the DTensors makes"
     for name, layout in SAVED.items():
         manifest = storage.verify(f"{root}/{name}", 2)
         assert manifest["layout"] == layout.as_dict()
