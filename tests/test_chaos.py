@@ -23,7 +23,9 @@ def _cfg(tmp_path, name, steps, every):
         "training.micro_batch": 4,
         "fault.inject": "[]",
         "fault.max_failures": 30,
-        "fault.hang_floor_s": 2.0,
+        # Short for a fast test, above what 2 cores give a step while a grown-back node's spares start (torch's
+        # imports and their warm-up: seconds of CPU each): at 2.0 s such steps were taken for hangs.
+        "fault.hang_floor_s": 3.0,
         "checkpoint.memory": "true",
         "checkpoint.memory_dir": str(tmp_path / "node-memory"),
     }
