@@ -72,7 +72,8 @@ class Progress:
             self._records.append({"kind": kind, "t": now, **fields})
         # Step and eval-batch records wake the poll at most every STEP_REPORT_S (they travel in small batches); others,
         # and the generation's first step, at once.
-        first_step, self._stepped = kind == "step" and not self._stepped, self._stepped or kind == "step"
+        first_step = kind == "step" and not self._stepped
+        self._stepped |= kind == "step"
         if first_step or kind not in ("step", "eval") or now - self._last_wake >= STEP_REPORT_S:
             self._last_wake = now
             self.changed.set()

@@ -82,12 +82,11 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, missing: list[torch.
     local = {id(p): p.to_local().detach() for p in missing if isinstance(p, DTensor)}
     if local:
         _zero_lr_step(optimizer, missing, local)
-        made = {id(p): optimizer.state.pop(local[id(p)]) for p in missing if id(p) in local}
-        placed = {i: {k: _placed_like(p, v) for k, v in made[i].items()} for p in missing if (i := id(p)) in made}
+        placed = {id(p): {k: _placed_like(p, v) for k, v in optimizer.state.pop(local[id(p)]).items()}
+                  for p in missing if id(p) in local}
         if all(v is not None for state in placed.values() for v in state.values()):
             for p in missing:
-                if id(p) in placed:
-                    optimizer.state[p] = placed[id(p)]
+                optimizer.state[p] = placed.get(id(p)) or optimizer.state[p]
             return
         for p in missing:
             optimizer.state.pop(p, None)
