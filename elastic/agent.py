@@ -401,10 +401,11 @@ class NodeAgent:
 
     def _replicate(self, c: _Child, generation: int, rec: dict) -> None:
         """Copy a rank's finished snapshot to the peer node, tell the rank, then pass the record on."""
-        step, rows = rec["step"], rec["rows"]
+        step, rank = rec["step"], rec["rank"]
         error = None
         try:
-            self._peer.send(self._memory.file_path(step, rows), step, rec["rank"], generation, rows, rec["records"])
+            body = self._memory.rows_body(step, rank, generation)
+            self._peer.send(self._memory.data_path(step, rank, generation), step, rank, generation, body)
         except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         try:
@@ -417,7 +418,7 @@ class NodeAgent:
     def _pass_on(self, c: _Child, generation: int, rec: dict, replicated: bool, error: str | None = None) -> None:
         """Queue a snapshot's record for the controller. It does not wake the poll: it travels with the next step
         records (every `elastic.train.STEP_REPORT_S`), since a poll answer per rank and step costs training CPU."""
-        out = {k: v for k, v in rec.items() if k not in ("rows", "records")} | {"replicated": replicated}
+        out = rec | {"replicated": replicated}
         if error:
             out["replica_error"] = error
         with self._lock:

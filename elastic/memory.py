@@ -61,6 +61,11 @@ def rows_file(rank: int, generation: int) -> str:
     return "rows/" + data_file(rank, generation).removeprefix("data/").removesuffix(".bin") + ".json"
 
 
+def rows_body(rows: list[dict], records: Iterable[dict] = ()) -> bytes:
+    """A rows file: a data file's index rows and the step records it carries."""
+    return json.dumps({"rows": rows, "records": list(records)}).encode()
+
+
 class NodeMemory:
     """One job's memory-tier files on one node."""
 
@@ -73,19 +78,29 @@ class NodeMemory:
     def finish(self, step: int, rank: int, generation: int, rows: list[dict], records: list[dict] = ()) -> None:
         """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically), with the rank's
         newest step records: the controller's copy of them may die with the node (see `step_records`)."""
-        body = {"rows": rows, "records": list(records)}
-        self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", json.dumps(body).encode(), durable=False)
+        self._publish_rows(step, rank, generation, rows_body(rows, records))
 
-    def keep_two(self, rank: int, generation: int, writing: int) -> None:
+    def _publish_rows(self, step: int, rank: int, generation: int, body: bytes) -> None:
+        self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", body, durable=False)
+
+    def keep_two(self, rank: int, generation: int, writing: int, reuse: bool = True) -> None:
         """Before `rank` writes step `writing` (or its replica of it arrives): drop its older files but its newest complete one.
 
-        Never a newer step's: a replica can arrive after newer ones did.
+        Never a newer step's: a replica can arrive after newer ones did. The
+        first dropped data file becomes the file of `writing` (renamed, without
+        its rows: not complete), which the write then overwrites in place: on a
+        RAM-backed filesystem a new file costs its pages' allocation and zeroing
+        on top of the copy, and as much again to free the old one. `reuse`
+        False where something may still read the dropped file (its replica's
+        send timed out, and may still be under way: a send reads the file it opened).
         """
         mine = data_file(rank, generation)
         steps = sorted(s for (_, s), ranks in self._complete(generation).items() if rank in ranks and s < writing)
+        reused = not reuse
         for step in self.steps():
             if step < writing and step not in steps[-1:]:
-                self._remove_file(step, mine, rank, generation)
+                reused = reused or self._reuse(step, writing, rank, generation)
+                self._remove_file(step, mine, rank, generation)  # what was not reused
 
     # -- what the node holds ------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -150,10 +165,24 @@ class NodeMemory:
         return self.store.read(f"{step_dir(step)}/{rel}")
 
     def put(self, step: int, rank: int, generation: int, buffers: Iterable, rows: list[dict], records: list[dict] = ()) -> None:
-        """Hold a copy of another node's file (a replica, or a file gathered for a restore), then its rows."""
-        if rows:
+        """Hold a copy of another node's file (gathered for a restore), then its rows."""
+        self.put_file(step, rank, generation, buffers if rows else None, rows_body(rows, records))
+
+    def put_file(self, step: int, rank: int, generation: int, buffers: Iterable | None, body: bytes) -> None:
+        """Hold a replica of another node's file (None: its rank had nothing to store), then its rows file's `body`
+        as it was there (`rows_body`): the replica is then complete, as if its rank had written it here."""
+        if buffers is not None:
             self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", buffers, durable=False)
-        self.finish(step, rank, generation, rows, records)
+        self._publish_rows(step, rank, generation, body)
+
+    def rows_body(self, step: int, rank: int, generation: int) -> bytes:
+        """The rows file of `rank`'s file of `step` as stored (what a replica carries)."""
+        return self.read(step, rows_file(rank, generation))
+
+    def data_path(self, step: int, rank: int, generation: int) -> Path | None:
+        """`rank`'s data file of `step` (None: it had nothing to store, and wrote none)."""
+        path = self.path / step_dir(step) / data_file(rank, generation)
+        return path if path.is_file() else None
 
     def file_path(self, step: int, rows: list[dict]) -> Path | None:
         """The data file that `rows` index (None: a rank with nothing to store wrote none)."""
@@ -222,3 +251,18 @@ class NodeMemory:
                 self.store.remove(f"{step_dir(step)}/{name}")
             except FileNotFoundError:
                 pass
+
+    def _reuse(self, step: int, writing: int, rank: int, generation: int) -> bool:
+        """Move `rank`'s data file of `step` to step `writing` (its rows first removed), to be overwritten there; False
+        when there is none, or `writing` has one already (an earlier attempt's: overwritten as it is)."""
+        rel = data_file(rank, generation)
+        source, target = self.path / step_dir(step) / rel, self.path / step_dir(writing) / rel
+        if target.exists() or not source.exists():
+            return False
+        self.store.remove(f"{step_dir(step)}/{rows_file(rank, generation)}")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(source, target)
+        except FileNotFoundError:
+            return False
+        return True

@@ -13,11 +13,14 @@ embedded cluster); a connection must open with the job's secret (handed to
 the agents by the driver, over Ray), so nothing else can write into a node's
 memory. Frames on a connection, one at a time:
 
-    -> 8-byte length, JSON header {step, rank, generation, rows, records, nbytes}, then nbytes of the file
+    -> 8-byte length, JSON header {step, rank, generation, body_bytes, nbytes}, then body_bytes of the file's
+       rows file as it is stored (`elastic.memory.rows_body`), then nbytes of the file (nbytes null: no file)
     <- 8-byte length, JSON {"ok": true} or {"ok": false, "error": "..."}
 
-The receiver stores the file and its rows (the replica is then complete, as
-if its rank had written it there) and drops that rank's older replicas.
+The receiver drops that rank's older replicas, stores the file and then its
+rows (the replica is then complete, as if its rank had written it there). The
+rows travel as bytes, never parsed: encoding and decoding a few hundred rows
+on both ends cost as much CPU as the file's trip through the kernel.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _send_msg(sock: socket.socket, obj: dict) -> None:
+def _send_msg(sock: socket.socket, obj: dict, tail: bytes = b"") -> None:
     data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    sock.sendall(_LEN.pack(len(data)) + data + tail)
 
 
 def _recv_msg(sock: socket.socket) -> dict:
@@ -78,6 +81,7 @@ class ReplicaServer:
             threading.Thread(target=self._serve, args=(conn,), name="replica-in", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        buffer = memoryview(bytearray(_CHUNK))  # this connection's: each chunk is written out before the next is read
         with conn:
             try:
                 if not hmac.compare_digest(_recv_exact(conn, SECRET_BYTES), self._secret):
@@ -85,32 +89,35 @@ class ReplicaServer:
                 while True:
                     header = _recv_msg(conn)
                     try:
-                        self._take(conn, header)
+                        self._take(conn, header, buffer)
                         _send_msg(conn, {"ok": True})
                     except OSError as exc:  # this node could not store it (memory full): the sender learns why
                         _send_msg(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             except (OSError, ValueError, ConnectionError):
                 return  # the peer went, or sent something that is not a frame: its next send reconnects
 
-    def _take(self, conn: socket.socket, header: dict) -> None:
-        left = int(header["nbytes"])
+    def _take(self, conn: socket.socket, header: dict, buffer: memoryview) -> None:
         step, rank, generation = int(header["step"]), int(header["rank"]), int(header["generation"])
+        if not 0 <= int(header["body_bytes"]) <= _MAX_HEADER:
+            raise ConnectionError(f"a rows file of {header['body_bytes']} bytes is not a peer's")
+        body = _recv_exact(conn, int(header["body_bytes"]))
+        left = int(header["nbytes"] or 0)
 
         def chunks():
             nonlocal left
             while left:
-                chunk = conn.recv(min(_CHUNK, left))
-                if not chunk:
+                n = conn.recv_into(buffer, min(len(buffer), left))
+                if not n:
                     raise ConnectionError("the peer closed the replication link mid-file")
-                left -= len(chunk)
-                yield chunk
+                left -= n
+                yield buffer[:n]
 
         try:
-            self._memory.put(step, rank, generation, chunks(), header["rows"], header["records"])
+            self._memory.keep_two(rank, generation, step)  # first: the file it drops becomes this one (NodeMemory.keep_two)
+            self._memory.put_file(step, rank, generation, None if header["nbytes"] is None else chunks(), body)
         finally:
             for _ in chunks():  # a write that failed part-way: read the rest of the file off the link, to stay in step
                 pass
-        self._memory.keep_two(rank, generation, step)
 
     def close(self) -> None:
         self._sock.close()
@@ -124,28 +131,27 @@ class ReplicaClient:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def send(self, path: Path | None, step: int, rank: int, generation: int, rows: list[dict], records: list[dict]) -> None:
-        """Replicate one file (None: a rank with nothing to store), its rows and the step records it carries;
-        raises if the peer did not take it."""
+    def send(self, path: Path | None, step: int, rank: int, generation: int, body: bytes) -> None:
+        """Replicate one file (None: a rank with nothing to store) and its rows file's `body`; raises if the peer
+        did not take it."""
         with self._lock:
             try:
-                self._send(path, {"step": step, "rank": rank, "generation": generation, "rows": rows, "records": records})
+                self._send(path, {"step": step, "rank": rank, "generation": generation, "body_bytes": len(body)}, body)
             except BaseException:
                 self._close()  # a link that failed mid-frame is out of step: the next send opens a new one
                 raise
 
-    def _send(self, path: Path | None, header: dict) -> None:
+    def _send(self, path: Path | None, header: dict, body: bytes) -> None:
         if self._sock is None:
             self._sock = socket.create_connection(self.address, timeout=self._timeout_s)
             self._sock.sendall(self._secret)
         sock = self._sock
         if path is None:
-            _send_msg(sock, {**header, "nbytes": 0})
+            _send_msg(sock, {**header, "nbytes": None}, body)
         else:
             with open(path, "rb") as f:
-                nbytes = f.seek(0, 2)
+                _send_msg(sock, {**header, "nbytes": f.seek(0, 2)}, body)
                 f.seek(0)
-                _send_msg(sock, {**header, "nbytes": nbytes})
                 sock.sendfile(f)
         answer = _recv_msg(sock)
         if not answer.get("ok"):

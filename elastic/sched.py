@@ -13,7 +13,11 @@ the job's other threads on `SCHED_BATCH` (plain torch.distributed ranks:
 2,300-2,600); see `bench/README.md` for what it did to step times.
 
 A rank's training thread and the threads it starts (gloo's, torch's) stay on
-the normal policy. Where the policy cannot be set (not Linux, or a sandbox
+the normal policy, and so does its memory-snapshot writer: a Python thread
+shares the training thread's GIL, and on `SCHED_IDLE` it was descheduled while
+holding it whenever the cores were busy, stalling the training thread behind
+it (the memory tier's step cost on `dp_shard=4`: 1.43x on SCHED_IDLE, 1.03x
+on the normal policy). Where the policy cannot be set (not Linux, or a sandbox
 that forbids it) nothing changes.
 """
 
@@ -43,12 +47,6 @@ def normal_this_thread() -> None:
     """Put the calling thread back on the normal policy (a training thread started by a batch thread)."""
     if hasattr(os, "SCHED_OTHER"):
         _set_policy(0, os.SCHED_OTHER)
-
-
-def idle_this_thread() -> None:
-    """Put the calling thread on SCHED_IDLE: it runs only on a core nothing else wants (a background copy)."""
-    if hasattr(os, "SCHED_IDLE"):
-        _set_policy(0, os.SCHED_IDLE)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,6 @@ from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_d
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.memory import NodeMemory
-from elastic.sched import idle_this_thread
 from storage.state import SnapshotPool
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize, model_vocab_size
 from elastic.schedule import lr_at
@@ -171,12 +170,13 @@ class Trainer:
         self._unsnapped = None  # (step, t0, background) of the save in flight while training has not waited for its copy
         self.faults = [Fault(**f) for f in spec.faults]
         self.memory = NodeMemory(spec.memory_dir) if self.cfg.checkpoint.memory and spec.memory_dir else None
-        self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer", initializer=idle_this_thread) if self.memory else None
+        self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer") if self.memory else None
         self._memory_buffers = SnapshotPool()
         self._memory_records: deque[dict] = deque(maxlen=MEMORY_RECORDS)  # this rank's newest step records, for its snapshots
         self._memory_layout: dict = {}  # storage.plan_writes' layout cache for the memory snapshots (this generation's layout)
         self._memory_pending = None  # (step, Future) of the memory snapshot in flight
         self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
+        self._memory_reuse = True  # whether the files that retention drops may be overwritten (no send of them is late)
         self.device = torch.device(spec.device)
         info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
         self.data, self.eval_data = open_datasets(self.cfg, info, model_vocab_size(self.cfg.model) or self.cfg.model.vocab_size)
@@ -384,7 +384,7 @@ class Trainer:
         pinned host memory on a side stream.
         """
         self._memory_settled()
-        self.memory.keep_two(self.rank, self.spec.generation, step)
+        self.memory.keep_two(self.rank, self.spec.generation, step, reuse=self._memory_reuse)
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
         self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, list(self._memory_records)))
@@ -399,8 +399,8 @@ class Trainer:
         rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
                                     layout_cache=self._memory_layout, durable=False)
         self.memory.finish(step, self.rank, self.spec.generation, rows, records)
-        self.progress.record("mem_saved", step=step, rank=self.rank, rows=rows, records=records,
-                             bytes=rows[0]["file_bytes"] if rows else 0, save_s=time.time() - t0)
+        self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
+                             save_s=time.time() - t0)
 
     def _memory_settled(self) -> None:
         """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.
@@ -418,7 +418,10 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - the memory tier misses a step; training goes on
             self.progress.record("mem_failed", step=step, error=f"{type(exc).__name__}: {exc}")
             return
-        if self.spec.memory_replicated and not self.control.replicated.wait(step, self.cfg.checkpoint.memory_replica_timeout_s):
+        # The agent sends its node's files one at a time, in order: once this one's replica is in, no send of an
+        # older file is under way.
+        self._memory_reuse = not self.spec.memory_replicated or self.control.replicated.wait(step, self.cfg.checkpoint.memory_replica_timeout_s)
+        if not self._memory_reuse:
             self.progress.record("mem_failed", step=step, error=f"no replica within checkpoint.memory_replica_timeout_s="
                                  f"{self.cfg.checkpoint.memory_replica_timeout_s}s")
         self._memory_stall += time.time() - t0

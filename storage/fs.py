@@ -630,9 +630,10 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
 
     For files that need not outlive the machine (the memory tier's): no
     staging copy, no writer thread, no fsync, which on small files cost more
-    than the bytes.
+    than the bytes. A file already there is overwritten in place and cut to
+    the new size: its pages are reused, not freed and allocated again.
     """
-    fd = _open_at(dir_fd, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, shown)
+    fd = _open_at(dir_fd, name, os.O_WRONLY | os.O_CREAT, shown)
     size = 0
     try:
         for buf in buffers:
@@ -640,6 +641,7 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
             while view:
                 n = os.write(fd, view)
                 view, size = view[n:], size + n
+        os.ftruncate(fd, size)
     finally:
         os.close(fd)
     return size

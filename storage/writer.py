@@ -29,6 +29,7 @@ from storage.format import (
     INDEX,
     MANIFEST,
     VERSION,
+    COMBINE_IS_CHEAP,
     CheckpointError,
     Piece,
     align_up,
@@ -47,8 +48,9 @@ from storage.state import SnapshotPool, compute_done, copy_pieces, plan_writes
 
 _BLOCK = 1 << 20
 """A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
-_RECHECK_MAX = 64 << 10
-"""Pieces smaller than this are checksummed a second time into the file's CRC-32 rather than combined into it."""
+_RECHECK_MAX = 0 if COMBINE_IS_CHEAP else 64 << 10
+"""Pieces smaller than this are checksummed a second time into the file's CRC-32 rather than combined into it
+(a combine in Python costs as much as a pass over 64 KiB)."""
 
 
 def write_shards(
@@ -103,7 +105,6 @@ def write_shards(
                 crc = crc32(block, crc)
                 yield block
             row["crc32"] = crc
-            # A combine costs ~20 us of Python whatever the size; a second pass over a small piece costs less.
             file_crc = crc32(raw, file_crc) if raw.nbytes < _RECHECK_MAX else crc32_combine(file_crc, crc, raw.nbytes)
             pos = row["byte_offset"] + raw.nbytes
 

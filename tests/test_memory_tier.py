@@ -16,9 +16,10 @@ from ckpt_utils import full_tensors
 from elastic.checkpointing import MemoryTier
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
-from elastic.memory import NodeMemory
+from elastic.memory import NodeMemory, rows_body
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
+from storage.format import data_file
 from test_ray_elastic import _cfg as ray_cfg
 from test_ray_elastic import _clean_ledger
 
@@ -49,6 +50,26 @@ def test_a_rank_keeps_its_newest_whole_snapshot_and_the_one_it_writes(tmp_path):
     assert (1, 4) not in mem.inventory() and sorted(mem.inventory()) == [(1, 3)]
 
 
+def test_the_file_retention_drops_is_overwritten_by_the_next_write_unless_a_send_may_still_read_it(tmp_path):
+    # The data file that keep_two drops becomes the next step's (the same inode, no rows: not complete), and the
+    # write overwrites it in place and cuts it to size. With reuse=False (a replica's send timed out and may still
+    # read the old file) it is removed instead, and the next write makes a new one.
+    mem = NodeMemory(tmp_path / "node")
+    for step in (1, 2):
+        _write(mem, step, rank=0)
+    old = os.stat(mem.path / "step_00000001" / data_file(0, 1)).st_ino
+    mem.keep_two(0, 1, 3)
+    moved = mem.path / "step_00000003" / data_file(0, 1)
+    assert os.stat(moved).st_ino == old and sorted(mem.inventory()) == [(1, 2)]
+    rows = storage.write_shards(mem.uri, 3, 0, {"model.w0": torch.full((2, 2), 3.0)}, generation=1, durable=False)
+    mem.finish(3, 0, 1, rows)
+    assert os.stat(moved).st_ino == old and moved.stat().st_size == rows[0]["file_bytes"]
+    assert mem.verify(3, 0, rows) is None and sorted(mem.inventory()) == [(1, 2), (1, 3)]
+    mem.keep_two(0, 1, 4, reuse=False)
+    assert not (mem.path / "step_00000004" / data_file(0, 1)).exists()
+    assert not (mem.path / "step_00000002" / data_file(0, 1)).exists() and sorted(mem.inventory()) == [(1, 3)]
+
+
 def test_a_late_replica_drops_nothing_newer_and_no_directory_a_writer_may_use(tmp_path):
     # A replica of step 2 arriving after those of 3 and 4 (out of order) keeps them; a step directory that
     # another rank is writing into (its data/ made, no file yet) is never removed from under it.
@@ -73,8 +94,9 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
     try:
         for step in (1, 2, 3):
             rows = _write(here, step, rank=0, value=float(step))
-            client.send(here.file_path(step, rows), step, 0, 1, rows, [{"kind": "step", "step": step - 1}])
-        client.send(None, 3, 1, 1, [], [])  # a rank with nothing to store
+            here.finish(step, 0, 1, rows, [{"kind": "step", "step": step - 1}])
+            client.send(here.file_path(step, rows), step, 0, 1, here.rows_body(step, 0, 1))
+        client.send(None, 3, 1, 1, rows_body([], []))  # a rank with nothing to store
         assert sorted(there.inventory()) == [(1, 2), (1, 3)]  # the peer keeps two of each rank's, like the rank
         assert there.inventory()[(1, 3)] == {0: rows, 1: []}
         assert there.step_records(1, 3) == {0: [{"kind": "step", "step": 2}], 1: []}
@@ -82,9 +104,9 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
         assert (there.path / "step_00000003" / rows[0]["file"]).read_bytes() == here.file_path(3, rows).read_bytes()
         stranger = ReplicaClient(server.address, os.urandom(SECRET_BYTES), timeout_s=10)
         with pytest.raises(ConnectionError):
-            stranger.send(here.file_path(3, rows), 4, 0, 1, rows, [])
+            stranger.send(here.file_path(3, rows), 4, 0, 1, here.rows_body(3, 0, 1))
         assert (1, 4) not in there.inventory()
-        client.send(here.file_path(3, rows), 4, 0, 1, rows, [])  # the link still works for its own sender
+        client.send(here.file_path(3, rows), 4, 0, 1, here.rows_body(3, 0, 1))  # the link still works for its own sender
         assert (1, 4) in there.inventory()
     finally:
         client.close()
