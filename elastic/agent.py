@@ -61,7 +61,7 @@ from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
     Command, DumpStacks, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
 )
-from elastic.sched import batch_this_process
+from elastic.sched import batch_this_process, idle_this_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_REPORT_S = 0.25
@@ -130,7 +130,7 @@ class NodeAgent:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
-        self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
+        self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
         if self._memory is not None:  # the first commit of a restore would import these (pandas, through pyarrow): 0.8 s
             threading.Thread(target=encode_index, args=([],), name="warm-up", daemon=True).start()
 
@@ -405,7 +405,8 @@ class NodeAgent:
         error = None
         try:
             body = self._memory.rows_body(step, rank, generation)
-            self._peer.send(self._memory.data_path(step, rank, generation), step, rank, generation, body)
+            path = self._memory.data_path(step, rank, generation) if rec["has_file"] else None
+            self._peer.send(path, step, rank, generation, body)
         except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         try:

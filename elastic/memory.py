@@ -179,10 +179,9 @@ class NodeMemory:
         """The rows file of `rank`'s file of `step` as stored (what a replica carries)."""
         return self.read(step, rows_file(rank, generation))
 
-    def data_path(self, step: int, rank: int, generation: int) -> Path | None:
-        """`rank`'s data file of `step` (None: it had nothing to store, and wrote none)."""
-        path = self.path / step_dir(step) / data_file(rank, generation)
-        return path if path.is_file() else None
+    def data_path(self, step: int, rank: int, generation: int) -> Path:
+        """Where `rank`'s data file of `step` is (a rank with nothing to store writes none)."""
+        return self.path / step_dir(step) / data_file(rank, generation)
 
     def file_path(self, step: int, rows: list[dict]) -> Path | None:
         """The data file that `rows` index (None: a rank with nothing to store wrote none)."""

@@ -20,7 +20,10 @@ memory. Frames on a connection, one at a time:
 The receiver drops that rank's older replicas, stores the file and then its
 rows (the replica is then complete, as if its rank had written it there). The
 rows travel as bytes, never parsed: encoding and decoding a few hundred rows
-on both ends cost as much CPU as the file's trip through the kernel.
+on both ends cost as much CPU as the file's trip through the kernel. Both
+ends run on SCHED_IDLE (`elastic.sched.idle_this_thread`): the copy fills the
+moments a core has nothing else to do, and a rank waits for its replica only
+before its next gradient-norm all-reduce.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import threading
 from pathlib import Path
 
 from elastic.memory import NodeMemory
+from elastic.sched import idle_this_thread
 
 SECRET_BYTES = 32
 _LEN = struct.Struct("!Q")
@@ -81,6 +85,7 @@ class ReplicaServer:
             threading.Thread(target=self._serve, args=(conn,), name="replica-in", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        idle_this_thread()  # as the sender's (elastic.sched.idle_this_thread)
         buffer = memoryview(bytearray(_CHUNK))  # this connection's: each chunk is written out before the next is read
         with conn:
             try:

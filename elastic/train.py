@@ -400,7 +400,7 @@ class Trainer:
                                     layout_cache=self._memory_layout, durable=False)
         self.memory.finish(step, self.rank, self.spec.generation, rows, records)
         self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
-                             save_s=time.time() - t0)
+                             has_file=bool(rows), save_s=time.time() - t0)
 
     def _memory_settled(self) -> None:
         """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.
