@@ -39,9 +39,11 @@ bench-recovery: $(STAMP)
 bench-strategies: $(STAMP)
 	$(PY) bench/strategies.py --rounds 6 --steps 60
 
-# The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds (~30 min): bench/results/memory_tier.json
+# The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds, then
+# within single runs (a snapshot every other step; ~45 min): bench/results/memory_tier.json
 bench-memory: $(STAMP)
 	$(PY) bench/memory_tier.py --rounds 2 --steps 50
+	$(PY) bench/memory_tier.py --interleaved --steps 60
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)

@@ -46,7 +46,12 @@ The memory tier's cost (`--memory-cost`, `make bench-memory`): per layout the
 manager runs with `checkpoint.memory` off and on, alternating as above, on
 two simulated nodes (so that every snapshot is also replicated to the other
 node); `memory_step_ratio` is the median step time with the tier on / off.
-It writes bench/results/memory_tier.json.
+It writes bench/results/memory_tier.json. Separate runs of one layout differ
+by up to 15% on this machine whatever they run, more than the effect; so
+`--interleaved` also measures it within single runs (a snapshot after every
+other step: the steps that overlap one against those that do not, and the
+same split of a run with the tier off as the control) and adds
+`interleaved_ratio` and `interleaved_control_ratio` to each layout.
 """
 
 from __future__ import annotations
@@ -106,8 +111,10 @@ MODEL = [
 ]
 
 
-def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path, memory: bool | None = None) -> JobConfig:
-    """The layout's job; `memory` None: one node, no memory tier (against plain); else two nodes, the memory tier on or off."""
+def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdir: Path, memory: bool | None = None,
+               memory_every: int = 1) -> JobConfig:
+    """The layout's job; `memory` None: one node, no memory tier (against plain); else two nodes, the memory tier on
+    (a snapshot every `memory_every` steps) or off."""
     tp = next((int(s.split("=")[1]) for s in layout_sets if s.startswith("parallel.tp=")), 1)
     per_node = world if memory is None else max(tp, world // 2)  # a TP group stays on one node
     sets = MODEL + layout_sets + [
@@ -125,6 +132,7 @@ def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdi
         "checkpoint.resume=false",
         "checkpoint.async_save=false",
         f"checkpoint.memory={'true' if memory else 'false'}",
+        f"checkpoint.memory_every_steps={memory_every}",
         f"checkpoint.memory_dir={workdir / 'node-memory'}",
     ]
     return load_config(BASE_CONFIG, sets)
@@ -302,14 +310,40 @@ def bench_memory_cost(name: str, world: int, sets: list[str], args, index: int, 
     }
 
 
+def parity_ratio(times: dict[int, float], every: int) -> float:
+    """Median time of the steps that ran while a snapshot was taken (step k, when one was taken after step k - 1:
+    k % every == 0) over the median of the others."""
+    busy = [t for k, t in times.items() if k % every == 0]
+    quiet = [t for k, t in times.items() if k % every]
+    return statistics.median(busy) / statistics.median(quiet)
+
+
+def bench_memory_interleaved(name: str, world: int, sets: list[str], args, index: int, workdir: Path) -> dict:
+    """The layout's memory-tier cost within one run: a snapshot after every other step, the steps that overlap one
+    against those that do not; and the same split of a run with the tier off, which should give 1 (the control)."""
+    first, last = args.warmup, args.steps - 2
+    out = {"layout": name}
+    for on in (True, False) if index % 2 == 0 else (False, True):
+        records, _ = run_manager(job_config(name, world, sets, args.steps, workdir, memory=on, memory_every=2))
+        times = step_times(records, first, last)
+        if on:
+            out["interleaved_ratio"] = parity_ratio(times, 2)
+            out["interleaved_stall_s_median"] = statistics.median(
+                r.get("memory_stall_s", 0.0) for rs in records for r in rs if r["kind"] == "step" and first <= r["step"] <= last)
+        else:
+            out["interleaved_control_ratio"] = parity_ratio(times, 2)
+        print(f"  {name:28s} memory {'on, every 2 steps' if on else 'off'}: parity ratio {parity_ratio(times, 2):.3f}", flush=True)
+    return out
+
+
 def memory_cost_markdown(result: dict) -> str:
     """The --memory-cost result as a markdown table (its JSON is not strategies.json, whose tables tests/test_docs.py checks)."""
-    lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | rank stall (median) | round_ratios |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | round_ratios | in-run ratio | in-run control |",
+             "|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in result["layouts"]:
+        inrun = [f"{r[k]:.3f}" if r.get(k) is not None else "—" for k in ("interleaved_ratio", "interleaved_control_ratio")]
         lines.append(f"| {r['layout']} | {r['world']} | {r['step_s_memory_off']:.4f} | {r['step_s_memory_on']:.4f} | "
-                     f"{r['memory_step_ratio']:.3f} | {r['memory_stall_s_median'] * 1000:.1f} ms | "
-                     f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])} |")
+                     f"{r['memory_step_ratio']:.3f} | {' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {' | '.join(inrun)} |")
     return "\n".join(lines)
 
 
@@ -355,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", action="append", default=[], help="run only layouts with this name (repeatable)")
     parser.add_argument("--memory-cost", action="store_true", help="measure the memory tier on vs off instead (bench/results/memory_tier.json)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="with --memory-cost: measure it within single runs instead, and add that to the layouts of --out")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.out = args.out or (MEMORY_RESULTS if args.memory_cost else RESULTS)
@@ -367,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only matches no layout; layouts: {[n for n, _, _ in LAYOUTS]}")
     t0 = time.time()
     result = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds, "layouts": []}
+    if args.interleaved:
+        if not args.memory_cost:
+            parser.error("--interleaved goes with --memory-cost")
+        return add_interleaved(args, selected)
     bench = bench_memory_cost if args.memory_cost else bench_layout
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
         for i, (name, world, sets) in enumerate(selected):
@@ -382,6 +422,22 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(cpu_table(result))
     print(f"\nwrote {args.out} in {result['wall_s']:.0f}s")
+    return 0
+
+
+def add_interleaved(args, selected: list) -> int:
+    """`--memory-cost --interleaved`: the in-run measure of each selected layout, merged into the layouts of `--out`."""
+    t0 = time.time()
+    result = json.loads(args.out.read_text())
+    by_name = {r["layout"]: r for r in result["layouts"]}
+    with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
+        for i, (name, world, sets) in enumerate(selected):
+            by_name.setdefault(name, {"layout": name, "world": world}).update(bench_memory_interleaved(name, world, sets, args, i, Path(tmp)))
+    result["layouts"] = list(by_name.values())
+    result["interleaved"] = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "wall_s": time.time() - t0}
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(memory_cost_markdown(result))
+    print(f"\nadded the in-run measure to {args.out} in {time.time() - t0:.0f}s")
     return 0
 
 
