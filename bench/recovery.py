@@ -137,16 +137,16 @@ class DPStep:
 
         from elastic.data import GlobalSampler, SyntheticTokens
         from elastic.layout import Layout
-        from elastic.recipe import build_optimizer, build_parallel_model, initialize
+        from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize
 
         torch.set_num_threads(1)  # as elastic's workers (ELASTIC_TORCH_THREADS=1)
         self.cfg, self.rank = cfg, rank
         self.layout = Layout.for_world(world)
         self.mesh = self.layout.build_mesh("cpu")
-        self.pm, whole = build_parallel_model(cfg, self.mesh, torch.device("cpu"))
+        self.pm = build_parallel_model(cfg, self.mesh, torch.device("cpu"))
         t = cfg.training
         self.optimizer = build_optimizer(self.pm.parameters(), t)
-        initialize(self.pm, whole, cfg)
+        initialize(self.pm, build_model(cfg.model)[0], cfg)
         self.data = SyntheticTokens(cfg.data, cfg.model.vocab_size)
         self.sampler = GlobalSampler(len(self.data), cfg.data.seed, t.global_batch)
 
