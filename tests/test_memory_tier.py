@@ -113,6 +113,29 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
         server.close()
 
 
+def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link_stays_in_step(tmp_path):
+    # Where the receiver cannot store a file (here a directory stands where the file goes; on a node, a full
+    # /dev/shm), the sender learns why, and the next file on the same connection lands whole: the refused file's
+    # bytes were read off the link.
+    here, there = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
+    secret = os.urandom(SECRET_BYTES)
+    server = ReplicaServer(there, "127.0.0.1", secret)
+    client = ReplicaClient(server.address, secret, timeout_s=10)
+    try:
+        rows = _write(here, 1, rank=0, value=1.0)
+        here.finish(1, 0, 1, rows, [])
+        there.data_path(1, 0, 1).mkdir(parents=True)
+        with pytest.raises(OSError, match="could not store the replica: IsADirectoryError"):
+            client.send(here.file_path(1, rows), 1, 0, 1, here.rows_body(1, 0, 1))
+        assert (1, 1) not in there.inventory()
+        there.data_path(1, 0, 1).rmdir()
+        client.send(here.file_path(1, rows), 2, 0, 1, here.rows_body(1, 0, 1))
+        assert there.verify(2, 0, rows) is None
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
     mem = NodeMemory(tmp_path / "node")
     rows = _write(mem, 5, rank=2)
