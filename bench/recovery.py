@@ -434,7 +434,8 @@ def scenario_ray_train(kind: str, tmp: Path, world: int, log: Log, hang_bound: f
 GOODPUT_WORKERS = 4
 GOODPUT_PER_NODE = 2  # 2 simulated nodes of 2 workers: a node loss halves the job, the node comes back after --node-back-s
 GOODPUT_EVERY = 20  # durable checkpoints (elastic, both variants) and Ray Train checkpoints every this many steps
-GOODPUT_STEP_S = 0.15  # about the steady step of this job at 4 ranks on this machine (2 shared cores, busy), to size --goodput-seconds in steps
+GOODPUT_STEP_S = 0.06  # the steady step of this job at 4 ranks on this machine when it is quiet (0.054-0.060 s; 0.18-0.39 s with
+# other work on the 2 cores), to size --goodput-seconds in steps: 3,000 steps, a fault about every 36 s
 GOODPUT_SYSTEMS = ("elastic_memory", "elastic_durable", "ray_train")
 GOODPUT_DEFINITION = (
     "goodput = time in kept steps / wall time, over the training window: from the end of the first step to the end of the "

@@ -240,7 +240,12 @@ class NodeMemory:
                 self.store.remove_tree(step_dir(s))
 
     def destroy(self) -> None:
+        """Remove this job's files on the node, and the node's directory if no other job has files there."""
         shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self.path.parent.rmdir()
+        except OSError:
+            pass  # another job's files are there (or it is gone already)
 
     def _remove_file(self, step: int, rel: str, rank: int, generation: int) -> None:
         """Remove one file and its rows (the rows first: never a complete-looking file without its data). The step's

@@ -136,6 +136,16 @@ def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link
         server.close()
 
 
+def test_destroy_removes_the_jobs_files_and_an_emptied_node_directory_but_not_another_jobs(tmp_path):
+    jobs = [NodeMemory(tmp_path / "node" / name) for name in ("a", "b")]
+    for mem in jobs:
+        _write(mem, 1, rank=0)
+    jobs[0].destroy()
+    assert not jobs[0].path.exists() and jobs[1].inventory()
+    jobs[1].destroy()
+    assert not (tmp_path / "node").exists()
+
+
 def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
     mem = NodeMemory(tmp_path / "node")
     rows = _write(mem, 5, rank=2)
