@@ -6,6 +6,7 @@ survives a node loss, a broken or half-written snapshot is never restored)
 on an embedded multi-node Ray cluster with real process and node kills.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -83,15 +84,25 @@ def test_a_late_replica_drops_nothing_newer_and_no_directory_a_writer_may_use(tm
     assert sorted(mem.inventory()) == [(1, 4), (1, 5)] and (mem.path / "step_00000005" / "data").is_dir()
 
 
-def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_path):
-    # One node's agent streams a rank's finished file to its peer's memory directory over loopback TCP; the replica
-    # is complete there (rows after data), byte for byte, with the step records it carries. A connection without
-    # the job's secret writes nothing.
+@contextlib.contextmanager
+def _link(tmp_path):
+    """Two nodes' memory directories and a replication link from the first to the second, closed afterwards."""
     here, there = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
     secret = os.urandom(SECRET_BYTES)
     server = ReplicaServer(there, "127.0.0.1", secret)
     client = ReplicaClient(server.address, secret, timeout_s=10)
     try:
+        yield here, there, client, server
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_path):
+    # One node's agent streams a rank's finished file to its peer's memory directory over loopback TCP; the replica
+    # is complete there (rows after data), byte for byte, with the step records it carries. A connection without
+    # the job's secret writes nothing.
+    with _link(tmp_path) as (here, there, client, server):
         for step in (1, 2, 3):
             rows = _write(here, step, rank=0, value=float(step))
             here.finish(step, 0, 1, rows, [{"kind": "step", "step": step - 1}])
@@ -108,20 +119,13 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
         assert (1, 4) not in there.inventory()
         client.send(here.file_path(3, rows), 4, 0, 1, here.rows_body(3, 0, 1))  # the link still works for its own sender
         assert (1, 4) in there.inventory()
-    finally:
-        client.close()
-        server.close()
 
 
 def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link_stays_in_step(tmp_path):
     # Where the receiver cannot store a file (here a directory stands where the file goes; on a node, a full
     # /dev/shm), the sender learns why, and the next file on the same connection lands whole: the refused file's
     # bytes were read off the link.
-    here, there = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
-    secret = os.urandom(SECRET_BYTES)
-    server = ReplicaServer(there, "127.0.0.1", secret)
-    client = ReplicaClient(server.address, secret, timeout_s=10)
-    try:
+    with _link(tmp_path) as (here, there, client, _):
         rows = _write(here, 1, rank=0, value=1.0)
         here.finish(1, 0, 1, rows, [])
         there.data_path(1, 0, 1).mkdir(parents=True)
@@ -131,9 +135,6 @@ def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link
         there.data_path(1, 0, 1).rmdir()
         client.send(here.file_path(1, rows), 2, 0, 1, here.rows_body(1, 0, 1))
         assert there.verify(2, 0, rows) is None
-    finally:
-        client.close()
-        server.close()
 
 
 def test_destroy_removes_the_jobs_files_and_an_emptied_node_directory_but_not_another_jobs(tmp_path):
