@@ -81,6 +81,7 @@ class _Child:
     conn: Connection
     gpus: list[str]
     rank: int | None = None  # None: idle (a spare, or kept warm from an ended generation)
+    last_rank: int | None = None  # the rank it trained last: its training thread's caches are that rank's
     ready: threading.Event = field(default_factory=threading.Event)
     failed: str | None = None  # why it could not start (its traceback), set once by its reader
     exit: str | None = None  # set once the process is gone, by its reader
@@ -91,6 +92,15 @@ class _Child:
     replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # a command and a replica's acknowledgement never interleave
+
+
+def _sticky(idle: list[_Child], ranks: list[int]) -> list[_Child]:
+    """One of `idle` for each of `ranks`, in order: the child that trained a rank last takes it again (its training
+    thread then keeps its warm caches, `elastic.rank_process._TrainingThread`); the others go in `idle`'s order."""
+    by_rank = {c.last_rank: c for c in idle if c.last_rank in set(ranks)}
+    taken = {id(c) for c in by_rank.values()}
+    rest = iter(c for c in idle if id(c) not in taken)
+    return [by_rank[rank] if rank in by_rank else next(rest) for rank in ranks]
 
 
 def _describe_exit(code: int | None) -> str:
@@ -268,6 +278,8 @@ class NodeAgent:
     def _assign(self, c: _Child, rank: int | None, generation: int) -> None:
         """Give `c` a rank of `generation` (None, -1: idle), forgetting what it reported before; the caller holds `_lock`."""
         c.rank, c.state, c.records, c.records_gen = rank, None, [], generation
+        if rank is not None:
+            c.last_rank = rank
 
     def _ranks(self) -> list[_Child]:
         with self._lock:
@@ -303,7 +315,7 @@ class NodeAgent:
             if self._memory is not None:
                 memory = {"memory_dir": self._memory.uri, "memory_replicated": self._peer is not None}
                 assignments = [(rank, {**spec, **memory}) for rank, spec in assignments]
-            pairs = list(zip(idle, assignments))
+            pairs = list(zip(_sticky(idle, [rank for rank, _ in assignments]), assignments))
             for c, (rank, spec) in pairs:
                 self._assign(c, rank, spec["generation"])
         replies = self._ask([(c, Start(spec, store_host, store_port, timeout_s)) for c, (_, spec) in pairs], COMMAND_TIMEOUT_S)

@@ -13,7 +13,9 @@ Three threads:
   its request's id;
 - the training thread (`train-g<generation>-r<rank>`) joins the generation's
   process group and runs `elastic.train.Trainer`; a stack dump reports it
-  apart from the other threads, for the controller's hang diagnosis;
+  apart from the other threads, for the controller's hang diagnosis. It
+  outlives its generation (`_TrainingThread`) while the next one gives this
+  process the same rank of the same layout;
 - the reporter pushes the rank's progress (step, phase, new records, the
   loop's end) to the agent: at once for a save, an error or the end, in
   batches of step records every `elastic.train.STEP_REPORT_S`, and at least
@@ -35,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import queue
 import signal
 import socket
 import sys
@@ -50,6 +53,47 @@ REPORT_EVERY_S = 1.0
 """The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
 
 
+class _TrainingThread(threading.Thread):
+    """The thread that runs this process's generations while they give it the same seat (layout, rank, device).
+
+    A generation's first step costs far more in a new thread than in one that
+    has run the same step before: at 8 gloo ranks on 2 cores, 1.05 s in a new
+    thread against 0.35 s in the old one after `destroy_process_group` and a
+    new group (steady steps 0.19 s; bench/README.md). What DTensor keeps per
+    thread stays valid because a later generation in the same seat asks the
+    same questions of meshes equal to the old ones (a DeviceMesh compares by
+    layout; its groups are looked up by name, and torch names them afresh, in
+    the same order). A generation in another seat gets a new thread: a mesh
+    of the same shape with this process at another coordinate compares equal
+    too, so nothing kept for the old seat is trusted there.
+    """
+
+    def __init__(self, seat: tuple):
+        super().__init__(name="train", daemon=True)
+        self.seat = seat
+        self._work: queue.SimpleQueue = queue.SimpleQueue()  # (function, args, done) or None: end
+        self.start()
+
+    def run_generation(self, done: threading.Event, main, *args) -> None:
+        """Run `main(*args)` in this thread, then set `done`."""
+        self._work.put((main, args, done))
+
+    def retire(self) -> None:
+        """End the thread once its current generation (already stopped by `reset`) has returned."""
+        self._work.put(None)
+
+    def run(self) -> None:
+        from elastic.sched import normal_this_thread
+
+        normal_this_thread()  # started by the command thread, which is on SCHED_BATCH
+        while (item := self._work.get()) is not None:
+            main, args, done = item
+            try:
+                main(*args)
+            finally:
+                done.set()
+
+
 class RankRuntime:
     """The rank's side of one generation at a time; methods are the agent's commands."""
 
@@ -57,7 +101,8 @@ class RankRuntime:
         self._send = send  # thread-safe: (message) -> None
         self._commands = {Start: self.start, StopAfter: self.stop_after, DumpStacks: self.stacks, Reset: self.reset}
         self._wake = threading.Event()  # a record, the end of the loop, or a new generation: push now
-        self._thread: threading.Thread | None = None
+        self._thread: _TrainingThread | None = None
+        self._done: threading.Event | None = None  # set when the current generation's loop has returned
         self._control = None
         self._progress = None
         self._error: str | None = None
@@ -82,11 +127,14 @@ class RankRuntime:
             self._progress = Progress()
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False
-        self._thread = threading.Thread(
-            target=self._main, args=(spec, command.store_host, command.store_port, command.timeout_s),
-            name=f"train-g{spec.generation}-r{spec.rank}", daemon=True,
-        )
-        self._thread.start()
+        self._done = threading.Event()
+        seat = (tuple(sorted(spec.layout.items())), spec.rank, spec.device)
+        if self._thread is None or self._thread.seat != seat:
+            if self._thread is not None:
+                self._thread.retire()
+            self._thread = _TrainingThread(seat)
+        self._thread.name = f"train-g{spec.generation}-r{spec.rank}"
+        self._thread.run_generation(self._done, self._main, spec, command.store_host, command.store_port, command.timeout_s)
         self._wake.set()
 
     def replicated(self, message: Replicated) -> None:
@@ -124,11 +172,11 @@ class RankRuntime:
         if self._control is not None:
             self._control.stop.set()
             self._control.replicated.release()
-        if self._thread is not None:
-            self._thread.join(command.grace_s)
-            if self._thread.is_alive() and _abort_collectives():
-                self._thread.join(ABORT_JOIN_S)  # its collective now fails instead of waiting for a dead peer
-            if self._thread.is_alive():
+        if self._done is not None:
+            self._done.wait(command.grace_s)
+            if not self._done.is_set() and _abort_collectives():
+                self._done.wait(ABORT_JOIN_S)  # its collective now fails instead of waiting for a dead peer
+            if not self._done.is_set():
                 return False
         if dist.is_initialized():
             try:
@@ -136,7 +184,7 @@ class RankRuntime:
             except Exception:  # noqa: BLE001 - a broken group is what we are leaving behind
                 return False
         with self._lock:
-            self._thread = self._control = self._progress = None
+            self._done = self._control = self._progress = None
             self._error, self._finished, self._generation = None, False, -1
         gc.collect()  # the old model still holds the old groups; freeing them closes their connections, releasing peers
         return True
@@ -146,10 +194,8 @@ class RankRuntime:
         import torch
         import torch.distributed as dist
 
-        from elastic.sched import normal_this_thread
         from elastic.train import Trainer
 
-        normal_this_thread()  # started by the command thread, which is on SCHED_BATCH
         try:
             store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
             gen_store = dist.PrefixStore(f"gen{spec.generation}", store)
