@@ -1521,7 +1521,9 @@ def _ray_start_figures(run_dir: Path, t_kill: float | None) -> dict:
     out["phases_s"] = tl.get("phases_s")
     out["marks"] = marks
     mem = next((e for e in events if e["event"] == "memory_restored" and e["t"] > t_kill), None)
-    out["memory_restored"] = {k: mem[k] for k in ("step", "stage_s", "pulled_bytes", "held_bytes")} if mem else None
+    pulls = [e for e in events if e["event"] == "memory_pulled" and mem and e["t"] > mem["t"] and e["step"] == mem["step"]]
+    out["memory_restored"] = {**{k: mem[k] for k in ("step", "stage_s", "held_bytes")},
+                              "pulled_bytes": sum(e["pulled_bytes"] for e in pulls)} if mem else None
     det = next((e for e in events if e["event"] == "failure_detected" and e["t"] >= t_kill), None)
     rec = next((e for e in events if e["event"] == "recovering" and e["t"] >= t_kill), None)
     if det:

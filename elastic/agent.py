@@ -59,7 +59,8 @@ from storage.format import encode_index
 from elastic.memory import NodeMemory, memory_root
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
-    Command, DumpStacks, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
+    Command, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed,
+    StopAfter,
 )
 from elastic.sched import batch_this_process, idle_this_thread
 
@@ -92,6 +93,18 @@ class _Child:
     replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # a command and a replica's acknowledgement never interleave
+
+
+@dataclass
+class _Staged:
+    """The memory step this node restores from: its rows, the agent holding each rank's whole file ({rank: agent}),
+    and the byte ranges of other nodes' files fetched so far ({file: [(start, end)]})."""
+
+    step: int
+    generation: int
+    rows: dict[int, list[dict]]
+    sources: dict
+    fetched: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def _sticky(idle: list[_Child], ranks: list[int]) -> list[_Child]:
@@ -141,6 +154,10 @@ class NodeAgent:
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
+        # A restore from memory (memory_stage): where each file of the staged step is, for the ranks' Pulls; one pull
+        # at a time, so that two ranks reading the same file fetch it once.
+        self._staged: _Staged | None = None
+        self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pull")
         if self._memory is not None:  # the first commit of a restore would import these (pandas, through pyarrow): 0.8 s
             threading.Thread(target=encode_index, args=([],), name="warm-up", daemon=True).start()
 
@@ -204,6 +221,8 @@ class NodeAgent:
                         self._pass_on(c, message.generation, rec, replicated=False)
                 if message.finished or message.error or self._news(records, first_step):
                     self._changed.set()
+            elif isinstance(message, Pull):
+                self._puller.submit(self._pull, c, message)
             elif isinstance(message, Reply):
                 c.replies.put(message)
             elif isinstance(message, Ready):
@@ -452,28 +471,71 @@ class NodeAgent:
         held = self._memory.step_records(generation, step) if self._memory is not None else {}
         return {rank: held[rank] for rank in ranks if rank in held}
 
-    def memory_read(self, step: int, rank: int, generation: int) -> bytes:
+    def memory_read_ranges(self, step: int, rank: int, generation: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges of `rank`'s whole file of `step` held here: what another node's restoring ranks read of it."""
         rows = self._memory.inventory(generation).get((generation, step), {}).get(rank)
-        return self._memory.read(step, rows[0]["file"]) if rows else b""
+        if not rows:
+            raise RuntimeError(f"this node holds no whole file of rank {rank} for memory step {step}")
+        return self._memory.read_ranges(step, rows[0]["file"], ranges)
 
     def memory_stage(self, step: int, generation: int, rows_by_rank: dict[int, list[dict]], sources: dict, layout: dict, train_state: dict) -> dict:
-        """Make memory step `step` loadable here: pull the files this node lacks from `sources` ({rank: agent}), then commit it locally.
+        """Make memory step `step` loadable here: commit it locally, and keep where each of its files is (`sources`:
+        {rank: agent}) for this node's ranks to pull from.
 
         The new ranks of this node then load it like any checkpoint
         (`storage.load_training_state` on this node's memory directory), each
-        reading only its own pieces, every piece's checksum checked.
+        reading only its own pieces, every piece's checksum checked. Before it
+        reads, a rank names the byte ranges it reads (`Pull`), and this agent
+        fetches those the node lacks (`_pull`): a node takes what its ranks of
+        the new layout read, not the whole step.
         """
         t0 = time.perf_counter()
-        held = self._memory.inventory(generation).get((generation, step), {})
-        pulled = 0
-        refs = {rank: agent.memory_read.remote(step, rank, generation) for rank, agent in sources.items() if rank not in held}
-        for rank, ref in refs.items():
-            data = ray.get(ref, timeout=REPLICA_TIMEOUT_S)
-            self._memory.put(step, rank, generation, [data], rows_by_rank[rank])
-            pulled += len(data)
+        self._staged = _Staged(step, generation, rows_by_rank, sources)
+        whole = self._memory.complete_ranks(generation, step)
+        for rank, rows in rows_by_rank.items():
+            if rows and rank not in whole:
+                self._memory.hollow(step, rows[0]["file"], rows[0]["file_bytes"])
         rows = [row for rank in sorted(rows_by_rank) for row in rows_by_rank[rank]]
         storage.commit(self._memory.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
-        return {"pulled_bytes": pulled, "stage_s": time.perf_counter() - t0, "held_bytes": self._memory.nbytes()}
+        return {"stage_s": time.perf_counter() - t0, "held_bytes": self._memory.nbytes()}
+
+    def _pull(self, c: _Child, message: Pull) -> None:
+        """Fetch the byte ranges of a rank's `Pull` that this node lacks from the nodes that hold them; answer `Pulled`.
+
+        A file held here whole is read in place; of another node's file, only
+        the ranges asked for travel, and land at their offsets in a partial
+        copy (`NodeMemory.put_ranges`); what an earlier rank of this node had
+        fetched is not fetched again.
+        """
+        fetched, nbytes, error = [], 0, None
+        try:
+            staged = self._staged
+            if staged is None:
+                raise RuntimeError("no memory step is staged on this node")
+            by_file = {rows[0]["file"]: rank for rank, rows in staged.rows.items() if rows}
+            unknown = sorted(set(message.ranges) - set(by_file))
+            if unknown:
+                raise RuntimeError(f"memory step {staged.step} has no files {unknown}")
+            whole = self._memory.complete_ranks(staged.generation, staged.step)
+            calls = {}
+            for name, ranges in message.ranges.items():
+                rank, have = by_file[name], staged.fetched.setdefault(name, [])
+                todo = [(a, b) for a, b in ranges if not any(x <= a and b <= y for x, y in have)]
+                if todo and rank not in whole:
+                    calls[name] = (todo, staged.sources[rank].memory_read_ranges.remote(staged.step, rank, staged.generation, todo))
+            for name, (todo, ref) in calls.items():
+                parts = ray.get(ref, timeout=REPLICA_TIMEOUT_S)
+                self._memory.put_ranges(staged.step, name, [(a, data) for (a, _), data in zip(todo, parts)])
+                staged.fetched[name].extend(todo)
+                fetched.append(name)
+                nbytes += sum(map(len, parts))
+        except Exception as exc:  # noqa: BLE001 - told to the rank, whose load then fails with it
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        try:
+            with c.send_lock:
+                c.conn.send(Pulled(message.id, tuple(fetched), nbytes, error))
+        except (OSError, ValueError):
+            pass  # the rank is gone
 
     def memory_corrupt(self, seed: int) -> int:
         return self._memory.corrupt(seed) if self._memory is not None else 0

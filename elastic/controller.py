@@ -211,7 +211,7 @@ class Controller:
             return
         if memory_restore is not None:
             staged = self.group.memory_staged.values()
-            self.events.emit("memory_restored", step=self.resume_step, nodes=len(staged), pulled_bytes=sum(s["pulled_bytes"] for s in staged),
+            self.events.emit("memory_restored", step=self.resume_step, nodes=len(staged),
                              stage_s=max((s["stage_s"] for s in staged), default=0.0), held_bytes=max((s["held_bytes"] for s in staged), default=0))
         if self.generation == 1:
             self._replenish()  # the nodes without ranks; those with ranks started theirs alongside them
@@ -307,6 +307,9 @@ class Controller:
                 self._on_eval_record(rec, now)
             elif rec["kind"] == "ready":
                 self.watchdog.touch(now)
+                if rec.get("pulled_files"):  # what a restore from memory fetched from other nodes for this rank
+                    self.events.emit("memory_pulled", rank=rank, node=self.group.node_of(rank), step=rec["start_step"],
+                                     files=rec["pulled_files"], pulled_bytes=rec["pulled_bytes"], pull_s=round(rec["pull_s"], 4))
         if state.finished:
             self.finished_ranks.add(rank)
 

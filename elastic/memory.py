@@ -4,17 +4,20 @@ Every rank writes its pieces of a memory step with `storage.write_shards`
 into its node's memory directory (a RAM-backed filesystem, `/dev/shm` by
 default), then its index rows next to them; the rows file is that rank's
 commit of the step (a data file without one is a write that did not finish).
-The node agent replicates each finished file to one other node and, after a
-failure, gathers the files of the restored step from wherever they survive,
-writes the step's index and manifest with `storage.commit`, and the new ranks
-load it with `storage.load_training_state`, as from any checkpoint: the same
-pieces in global coordinates, the same checksums, any layout.
+The node agent replicates each finished file to one other node. After a
+failure it writes the restored step's index and manifest with
+`storage.commit`, and the new ranks load it with
+`storage.load_training_state`, as from any checkpoint: the same pieces in
+global coordinates, the same checksums, any layout. Of the files that
+survive on other nodes, the agent fetches only the byte ranges its ranks
+read (into `hollow` stand-ins), never the whole step.
 
 On disk, below the node's directory (`<root>/<node id>/<job>`):
 
     step_NNNNNNNN/data/gGGGGGG-rank_RRRRR.bin    a rank's pieces (its own, or a replica of another node's rank)
     step_NNNNNNNN/rows/gGGGGGG-rank_RRRRR.json   its index rows: the file is complete
-    step_NNNNNNNN/index.arrow, manifest.json     once staged for a restore
+    step_NNNNNNNN/index.arrow, manifest.json     once staged for a restore (with hollow stand-ins, without rows,
+                                                 for the files that are on other nodes)
 
 What a node holds dies with the node: nothing outside the node reads its
 directory, only its agent does (on a simulated node of the embedded cluster
@@ -40,10 +43,21 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from storage.format import CheckpointError, crc32, data_file, parse_step_dir, step_dir
-from storage.fs import Store
+from storage.fs import Store, _pwrite_all
 
 _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
 _READ_BLOCK = 8 << 20
+
+
+def _pread_all(fd: int, start: int, end: int) -> bytes:
+    parts = []
+    while start < end:
+        data = os.pread(fd, end - start, start)
+        if not data:
+            raise CheckpointError(f"a memory file ends at byte {start}, before {end}")
+        parts.append(data)
+        start += len(data)
+    return b"".join(parts)
 
 
 def memory_root(memory_dir: str) -> Path:
@@ -151,13 +165,15 @@ class NodeMemory:
         return out
 
     def nbytes(self) -> int:
+        """The memory the files here take (a `hollow` stand-in only its written parts)."""
         total = 0
         for root, _, files in os.walk(self.path):
             for name in files:
                 try:
-                    total += os.lstat(os.path.join(root, name)).st_size
+                    st = os.lstat(os.path.join(root, name))
                 except OSError:
-                    pass
+                    continue
+                total += min(st.st_size, st.st_blocks * 512)
         return total
 
     # -- replicas and restores ------------------------------------------------------------
@@ -165,7 +181,7 @@ class NodeMemory:
         return self.store.read(f"{step_dir(step)}/{rel}")
 
     def put(self, step: int, rank: int, generation: int, buffers: Iterable, rows: list[dict], records: list[dict] = ()) -> None:
-        """Hold a copy of another node's file (gathered for a restore), then its rows."""
+        """Hold a whole copy of another node's file, then its rows: as if its replica had landed here."""
         self.put_file(step, rank, generation, buffers if rows else None, rows_body(rows, records))
 
     def put_file(self, step: int, rank: int, generation: int, buffers: Iterable | None, body: bytes) -> None:
@@ -174,6 +190,36 @@ class NodeMemory:
         if buffers is not None:
             self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", buffers, durable=False)
         self._publish_rows(step, rank, generation, body)
+
+    def read_ranges(self, step: int, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of a data file held here: what another node's restoring ranks read of it."""
+        fd = os.open(self.path / step_dir(step) / rel, os.O_RDONLY)
+        try:
+            return [_pread_all(fd, start, end) for start, end in ranges]
+        finally:
+            os.close(fd)
+
+    def hollow(self, step: int, rel: str, nbytes: int) -> None:
+        """Stand in for another node's data file of a step staged for a restore: its size, all of it a hole (no memory),
+        until `put_ranges` writes what this node's ranks read of it. It gets no rows file, so nothing takes it for a
+        whole snapshot (`inventory`, a restore's choice of holders); retention drops it with its step."""
+        path = self.path / step_dir(step) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+
+    def put_ranges(self, step: int, rel: str, parts: list[tuple[int, bytes]]) -> None:
+        """Write parts of another node's data file ((offset, bytes)) into its `hollow` stand-in."""
+        fd = os.open(self.path / step_dir(step) / rel, os.O_WRONLY)
+        try:
+            for offset, data in parts:
+                _pwrite_all(fd, memoryview(data), offset)
+        finally:
+            os.close(fd)
+
+    def complete_ranks(self, generation: int, step: int) -> set[int]:
+        """The ranks whose files of `step` (of `generation`) are here whole."""
+        return set(self._complete(generation, step).get((generation, step), {}))
 
     def rows_body(self, step: int, rank: int, generation: int) -> bytes:
         """The rows file of `rank`'s file of `step` as stored (what a replica carries)."""

@@ -8,7 +8,9 @@ that comes after its deadline is never taken for the next command's. Unasked,
 `Replicated` acknowledges a memory snapshot in place on another node.
 
 Rank → agent, unasked: `Ready` once it has imported what a generation needs
-(or `StartFailed`), and its `RankState` whenever it has news.
+(or `StartFailed`), and its `RankState` whenever it has news. A rank that
+restores from the memory tier asks, with `Pull`, for the bytes it reads;
+the agent answers `Pulled` once they are on the node.
 
 Agent → controller: a `RankStatus` per rank from each poll.
 
@@ -88,7 +90,28 @@ class Replicated:
     ok: bool = True
 
 
+@dataclass(frozen=True)
+class Pulled:
+    """The answer to the rank's `Pull` `id`: the ranges are in this node's memory (those of the files `fetched`,
+    `nbytes` in all, came from other nodes now), or `error` says why not."""
+
+    id: int
+    fetched: tuple[str, ...] = ()
+    nbytes: int = 0
+    error: str | None = None
+
+
 # -- rank -> agent ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A rank restoring from the memory tier reads these byte ranges of the staged step's data files ({name in the
+    step's directory: [(start, end)]}): the agent fetches those its node lacks from the nodes that hold them, then
+    answers `Pulled`."""
+
+    id: int
+    ranges: dict[str, list[tuple[int, int]]]
 
 
 @dataclass(frozen=True)

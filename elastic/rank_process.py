@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import os
 import queue
 import signal
@@ -47,7 +48,9 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from elastic.messages import ABORT_JOIN_S, DumpStacks, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter
+from elastic.messages import (
+    ABORT_JOIN_S, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
+)
 
 REPORT_EVERY_S = 1.0
 """The longest a running rank goes without pushing its state: the phase the controller sees is at most this old."""
@@ -109,6 +112,8 @@ class RankRuntime:
         self._finished = False
         self._generation = -1
         self._lock = threading.Lock()  # a push and a reset never interleave
+        self._pulls: dict[int, list] = {}  # Pull id -> [answered Event, Pulled or None]
+        self._pull_ids = itertools.count()
         threading.Thread(target=self._report, name="reporter", daemon=True).start()
 
     # -- commands ------------------------------------------------------------------
@@ -123,7 +128,7 @@ class RankRuntime:
         spec = RankSpec(**command.spec)
         with self._lock:
             self._generation = spec.generation
-            self._control = Control()
+            self._control = Control(pull=self.pull)
             self._progress = Progress()
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False
@@ -143,6 +148,30 @@ class RankRuntime:
             control = self._control if message.generation == self._generation else None
         if control is not None:
             control.replicated.ack(message.step)
+
+    def pull(self, ranges: dict[str, list[tuple[int, int]]]) -> tuple[list[str], int]:
+        """Ask the agent for these byte ranges of the staged memory step (`elastic.train.Control.pull`); wait for its
+        answer, or the generation's stop."""
+        pull_id, waiting = next(self._pull_ids), [threading.Event(), None]
+        self._pulls[pull_id] = waiting
+        try:
+            self._send(Pull(pull_id, ranges))
+            control = self._control
+            while not waiting[0].wait(0.5):
+                if control is None or control.stop.is_set():
+                    raise RuntimeError("the generation stopped while its agent pulled the memory step's files")
+        finally:
+            self._pulls.pop(pull_id, None)
+        answer: Pulled = waiting[1]
+        if answer.error is not None:
+            raise RuntimeError(f"the node agent could not pull what this rank reads of the memory step: {answer.error}")
+        return list(answer.fetched), answer.nbytes
+
+    def pulled(self, message: Pulled) -> None:
+        waiting = self._pulls.get(message.id)
+        if waiting is not None:
+            waiting[1] = message
+            waiting[0].set()
 
     def stop_after(self, command: StopAfter) -> None:
         if self._control is not None:
@@ -293,11 +322,14 @@ def _serve(conn: Connection) -> None:
     send(Ready(os.getpid()))
     while True:
         try:
-            request: Request | Replicated = conn.recv()
+            request: Request | Replicated | Pulled = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the agent is gone: so is this rank
         if isinstance(request, Replicated):  # unasked: no reply
             runtime.replicated(request)
+            continue
+        if isinstance(request, Pulled):  # the answer to the rank's own Pull
+            runtime.pulled(request)
             continue
         try:
             reply = Reply(request.id, runtime.serve(request.command))

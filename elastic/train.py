@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -111,12 +112,15 @@ class Acks:
 class Control:
     """What the controller can ask of a running loop: stop now, or stop after a given step (a planned resize).
 
-    `replicated` carries the agent's acknowledgements of memory snapshots replicated to another node.
+    `replicated` carries the agent's acknowledgements of memory snapshots replicated to another node; `pull` has the
+    agent fetch the byte ranges of a staged memory step's files that a restoring rank reads and its node lacks (it
+    returns the files it fetched from and the bytes; None: no agent, every file is where the load looks).
     """
 
     stop: threading.Event = field(default_factory=threading.Event)
     stop_at: int | None = None
     replicated: Acks = field(default_factory=Acks)
+    pull: Callable[[dict[str, list[tuple[int, int]]]], tuple[list[str], int]] | None = None
 
 
 @dataclass
@@ -177,6 +181,7 @@ class Trainer:
         self._memory_pending = None  # (step, Future) of the memory snapshot in flight
         self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
         self._memory_reuse = True  # whether the files that retention drops may be overwritten (no send of them is late)
+        self._restore_pull: dict = {}  # what a restore from memory had its agent fetch from other nodes (the "ready" record)
         self.device = torch.device(spec.device)
         info = DataInfo.from_json(spec.data) if spec.data is not None else describe(self.cfg)
         self.data, self.eval_data = open_datasets(self.cfg, info, model_vocab_size(self.cfg.model) or self.cfg.model.vocab_size)
@@ -195,9 +200,17 @@ class Trainer:
             initialize(self.pm, build_model(cfg.model)[0], cfg)
             self.start_step = 0
         else:
-            uri = self.spec.memory_dir if self.spec.resume_tier == "memory" else cfg.checkpoint.uri
-            storage.load_training_state(uri, self.spec.resume_step, self.pm.model_parts, self.optimizer)
+            from_memory = self.spec.resume_tier == "memory"
+            uri = self.spec.memory_dir if from_memory else cfg.checkpoint.uri
+            pull = self._pull if from_memory and self.control.pull is not None else None
+            storage.load_training_state(uri, self.spec.resume_step, self.pm.model_parts, self.optimizer, before_read=pull)
             self.start_step = self.spec.resume_step
+
+    def _pull(self, ranges: dict[str, list[tuple[int, int]]]) -> None:
+        """Have the node agent fetch what this rank reads of the memory step that its node lacks (and only that)."""
+        t0 = time.perf_counter()
+        fetched, nbytes = self.control.pull(ranges)
+        self._restore_pull = {"pulled_files": fetched, "pulled_bytes": nbytes, "pull_s": time.perf_counter() - t0}
 
     # -- faults --------------------------------------------------------------------
     def _faults_at(self, step: int, kinds: tuple[str, ...]) -> list[Fault]:
@@ -248,7 +261,7 @@ class Trainer:
         scale = layout.dp / (t.global_batch * cfg.data.seq_len)
         reporter = layout.is_data_reporter(self.rank)
         dp_rank = layout.dp_rank(self.rank)
-        self.progress.record("ready", start_step=self.start_step)
+        self.progress.record("ready", start_step=self.start_step, **self._restore_pull)
         for step in range(self.start_step, t.steps):
             if self.stop.is_set():
                 self._snapshot_taken()

@@ -19,6 +19,7 @@ in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import torch
 
 from storage.boxes import Box, PieceIndex
 from storage.catalog import _manifest, read_index, unreadable
-from storage.format import DTYPES, CheckpointError, Piece, crc32, step_dir
+from storage.format import ALIGN, DTYPES, CheckpointError, Piece, crc32, step_dir
 from storage.fs import Store
 from storage.state import local_view, state_tensors, tensor_boxes
 
@@ -157,6 +158,25 @@ def _coalesce(needs: list[_Need]) -> list[list[_Need]]:
     return groups
 
 
+def _piece_ranges(groups: list[list[_Need]]) -> list[tuple[int, int]]:
+    """The bytes [start, end) of a file's pieces that a load reads, runs of pieces apart by no more than their
+    alignment merged: what a read needs to be there (the gaps a coalesced read spans are read and dropped)."""
+    out: list[list[int]] = []
+    for group in groups:
+        for need in group:
+            start, end = need.piece.byte_offset, need.piece.byte_offset + need.piece.nbytes
+            if out and start - out[-1][1] < ALIGN:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _extent(group: list[_Need]) -> tuple[int, int]:
+    """The bytes [start, end) of a file that one coalesced read covers."""
+    return group[0].piece.byte_offset, group[-1].piece.byte_offset + group[-1].piece.nbytes
+
+
 def _views(need: _Need, targets: dict[str, tuple[torch.Tensor, list[Box]]]):
     """(overlap offsets, overlap lengths, destination view) for every region of the local tensors a piece fills."""
     for key, i, offs, lens in need.copies:
@@ -198,7 +218,7 @@ def _buffers(group: list[_Need], targets):
 def _read_group(store: Store, path: str, group: list[_Need], targets) -> None:
     """One coalesced read of a local file, whole pieces straight into place, then each piece checked (and copied)."""
     name = store.describe(path)
-    start, end = group[0].piece.byte_offset, group[-1].piece.byte_offset + group[-1].piece.nbytes
+    start, end = _extent(group)
     buffers, checks = _buffers(group, targets)
     try:
         got = store.read_into(path, [(start, buffers)])[0]
@@ -251,20 +271,30 @@ def _check_and_place(checks, name: str, targets) -> None:
                 dest.copy_(view)
 
 
+BeforeRead = Callable[[dict[str, list[tuple[int, int]]]], None]
+"""Called with what a load reads, before it reads any: {data file (its name in the step's directory): [(start, end)
+byte ranges, in order]}."""
+
+
 def load_into(
-    uri: str, step: int, targets: dict[str, Target], *, planner: ReadPlanner | None = None, storage_options: dict | None = None
+    uri: str, step: int, targets: dict[str, Target], *, planner: ReadPlanner | None = None, storage_options: dict | None = None,
+    before_read: BeforeRead | None = None,
 ) -> dict:
     """Fill local tensors given by their boxes: {key: (global shape, local tensor, boxes)}; returns the manifest.
 
     The tensors need not be DTensors: this is how one process plays any rank of
     any layout (scale simulations), and what `load_shards` does with a
     template's DTensors. Pass a `planner` (`ReadPlanner.open`) to decode the
-    index once for many loads of the same checkpoint.
+    index once for many loads of the same checkpoint. `before_read` learns
+    the byte ranges of the files that this load reads before it reads any: a
+    restore from node memory fetches those its node lacks, and no others.
     """
     store = Store(uri, storage_options)
     if planner is None:
         planner = ReadPlanner.open(uri, step, storage_options=storage_options)
     plan = planner.plan({key: (shape, local.dtype, boxes) for key, (shape, local, boxes) in targets.items()})
+    if before_read is not None:
+        before_read({rel: _piece_ranges(groups) for rel, groups in plan.items()})
     # Detached: the loads write in place into views taken later, which autograd would forbid on a parameter's to_local().
     places = {key: (local.detach(), boxes) for key, (_, local, boxes) in targets.items()}
     if store.local is None:
@@ -286,7 +316,9 @@ def load_into(
     return planner.manifest
 
 
-def load_shards(uri: str, step: int, template: dict[str, torch.Tensor], *, storage_options: dict | None = None) -> dict:
+def load_shards(
+    uri: str, step: int, template: dict[str, torch.Tensor], *, storage_options: dict | None = None, before_read: BeforeRead | None = None,
+) -> dict:
     """Fill every tensor of `template` (plain or DTensor, any layout) in place from a committed checkpoint.
 
     Returns the manifest (its `train_state` restores the rest of the job). On a
@@ -297,13 +329,15 @@ def load_shards(uri: str, step: int, template: dict[str, torch.Tensor], *, stora
     for key, t in template.items():
         local, boxes = tensor_boxes(t)
         targets[key] = (tuple(t.shape), local, boxes)
-    return load_into(uri, step, targets, storage_options=storage_options)
+    return load_into(uri, step, targets, storage_options=storage_options, before_read=before_read)
 
 
-def load_training_state(uri: str, step: int, model_parts, optimizer=None, *, storage_options: dict | None = None) -> dict:
+def load_training_state(
+    uri: str, step: int, model_parts, optimizer=None, *, storage_options: dict | None = None, before_read: BeforeRead | None = None,
+) -> dict:
     """Load parameters and optimizer state of `model_parts` (any layout) in place; returns the manifest.
 
     The optimizer then continues bitwise as the saved one would have, given
     the same learning rate (the scheduler lives in the manifest's `train_state`).
     """
-    return load_shards(uri, step, state_tensors(model_parts, optimizer), storage_options=storage_options)
+    return load_shards(uri, step, state_tensors(model_parts, optimizer), storage_options=storage_options, before_read=before_read)

@@ -311,3 +311,26 @@ def test_a_node_lost_with_its_replica_holder_falls_back_to_the_durable_tier(tmp_
     assert "lacks ranks [0]" in why and "durable" in why
     s = report["samples"]
     assert s["missing"] == 0 and s["duplicated"] == 0 and s["seen_once"] == s["expected"] == 16 * 12
+
+
+def test_a_restore_moves_only_the_bytes_each_node_lacks_of_what_its_ranks_read(tmp_path):
+    # Three one-worker nodes in a ring: each holds its rank's file and its predecessor's replica, so each lacks one of
+    # the three files. After a kill at the same layout every rank reads its own shards (on its node) and the pieces of
+    # replicated tensors, which the three files share out (storage.state.is_writer): each node fetches those few
+    # bytes of the file it lacks, not the file.
+    sets = {"checkpoint.memory": "true", "scaling.num_workers": 3, "scaling.min_workers": 1, "scaling.workers_per_node": 1,
+            "training.global_batch": 12, "training.micro_batch": 4, "training.steps": 16}
+    ref = run_job(_cfg(tmp_path, "ref", **sets), quiet=True)
+    cfg = _cfg(tmp_path, "kill", **sets)
+    hit = run_job(cfg, ["kill:rank=1,step=10"], quiet=True)
+    assert ref["state"] == hit["state"] == "FINISHED", hit["reason"]
+    (failure,) = hit["failures"]
+    assert failure["restored_from"] == "memory" and failure["lost_steps"] <= 1 and hit["world_sizes"] == [3, 3]
+    pulls = [e for e in read_events(cfg.run_dir / "events.jsonl") if e["event"] == "memory_pulled"]
+    assert sorted(e["rank"] for e in pulls) == [0, 1, 2], pulls
+    assert all(len(e["files"]) == 1 and e["step"] == failure["resume_step"] for e in pulls), pulls
+    moved, state = sum(e["pulled_bytes"] for e in pulls), hit["memory_tier"]["state_bytes"]
+    assert 0 < moved < state / 20, (moved, state)  # whole files would be the whole state (one file of three per node)
+    assert hit["losses"] == ref["losses"]  # what was pulled, and read in place, is the state bit for bit
+    got, want = full_tensors(str(tmp_path / "kill" / "ckpt"), 16), full_tensors(str(tmp_path / "ref" / "ckpt"), 16)
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)

@@ -733,3 +733,36 @@ def test_crc32_combine_is_zlibs_and_the_python_fallback_agrees():
         want = zlib.crc32(a + b)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), b_len) == want
         assert crc32_combine_py(zlib.crc32(a), zlib.crc32(b), b_len) == want
+
+
+def test_a_load_names_the_byte_ranges_it_reads_before_it_reads_any(tmp_path):
+    # Three "ranks" each wrote a third of a 9-row tensor. A rank of a 2-way layout reading rows 0-4 reads the first two
+    # files only, and learns which bytes before reading: a restore from node memory fetches exactly those (elastic.agent).
+    from storage.boxes import Box
+    from storage.state import LocalPart
+
+    full = torch.arange(36, dtype=torch.float32).reshape(9, 4)
+    uri = str(tmp_path / "ck")
+    rows = []
+    for rank in range(3):
+        part = LocalPart((9, 4), full.dtype, [(Box((3 * rank, 0), (3, 4), (0, 0)), full[3 * rank:3 * rank + 3].clone())])
+        rows += storage.write_shards(uri, 5, rank, {"w": part}, generation=GEN)
+    storage.commit(uri, 5, rows, layout={"dp_shard": 3}, train_state={"step": 5}, generation=GEN)
+    files = [data_file(rank, GEN) for rank in range(3)]
+    held = tmp_path / "elsewhere"
+    held.mkdir()
+    for name in files:  # no file is where the load looks until its callback puts it there
+        os.rename(tmp_path / "ck" / step_dir(5) / name, held / Path(name).name)
+    local = torch.zeros(5, 4)
+    asked = []
+
+    def fetch(ranges):
+        assert not local.any()  # nothing was read yet
+        asked.append(ranges)
+        for name in ranges:
+            os.rename(held / Path(name).name, tmp_path / "ck" / step_dir(5) / name)
+
+    storage.load_into(uri, 5, {"w": ((9, 4), local, [Box((0, 0), (5, 4), (0, 0))])}, before_read=fetch)
+    row = 4 * 4  # bytes of one row: rank 0's three rows are all read, two of rank 1's are in its one piece
+    assert asked == [{files[0]: [(0, 3 * row)], files[1]: [(0, 3 * row)]}] and local.equal(full[:5])
+    assert (held / Path(files[2]).name).exists()  # never asked for, never fetched
