@@ -558,9 +558,10 @@ class Controller:
     # -- RECOVERING -------------------------------------------------------------------------
     def _recover(self) -> None:
         failure = self.pending_failure
-        for s in self.group.poll(self.cfg.fault.heartbeat_s):  # where the survivors got to: the work being lost
-            if s.alive and s.state.generation == self.generation:
-                self.max_seen_step = max(self.max_seen_step, s.state.step)
+        now = self.clock()
+        for s in self.group.poll(self.cfg.fault.heartbeat_s):  # where the survivors got to, and what they saved on the way
+            if s.state is not None:
+                self._absorb(s.rank, s.state, now)
         kept = self.group.teardown(kill_ranks=[failure.culprit] if failure.culprit is not None else [])
         self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)

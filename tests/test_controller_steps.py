@@ -36,6 +36,10 @@ class ScriptedGroup:
         self.stop_at: int | None = None
         self.unreachable_at_stop: list[int] = []  # ranks whose node cannot be told to stop (lost as a resize begins)
         self.spare_errors: dict[str, str] = {}  # nodes whose agent cannot start a spare, and why
+        # step -> rank that dies once the step is done, before the survivors' records of it reach a poll (`late`:
+        # they come with the next poll)
+        self.dies_before_survivors_report: dict[int, int] = {}
+        self.late: list[RankStatus] | None = None
 
     # the RayWorkerGroup surface the controller uses
     def capacity(self) -> int:
@@ -48,6 +52,7 @@ class ScriptedGroup:
         self.sampler = GlobalSampler(info.train_samples, self.cfg.data.seed, self.cfg.training.global_batch, self.step, specs[0]["data_position"])
         self.starts.append((layout.world_size, specs[0]["resume_step"]))
         self.stop_at = None
+        self.late = None
 
     def stop_after(self, step: int) -> None:
         if self.unreachable_at_stop:
@@ -76,12 +81,17 @@ class ScriptedGroup:
         pass
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
+        if self.late is not None:
+            out, self.late = self.late, None
+            return out
         world, step = self.layout.world_size, self.step
         phase = "data" if self.hang_at == step else "forward_backward"
         base = RankState(self.gen, step, phase, 0.0)
         if step in self.kill_rank_at:
             dead = self.kill_rank_at.pop(step)
-            return [RankStatus(r, True, base) if r != dead else RankStatus(r, False, error="died") for r in range(world)]
+            out = [RankStatus(r, True, base) if r != dead else RankStatus(r, False, error="died") for r in range(world)]
+            self.late = out  # the survivors wait in a collective for the dead rank: no progress until the next start
+            return out
         if self.hang_at == step or step >= self.cfg.training.steps or (self.stop_at is not None and step >= self.stop_at):
             # hung, done or paused: no new records
             finished = step >= self.cfg.training.steps
@@ -101,6 +111,11 @@ class ScriptedGroup:
                 records.append({"kind": "saved", "step": done, "rows": rows, "save_s": 0.01})
             out.append(RankStatus(r, True, RankState(self.gen, step, phase, 0.0, records, finished=done >= self.cfg.training.steps)))
         self.step = done
+        if step in self.dies_before_survivors_report:
+            dead = self.dies_before_survivors_report.pop(step)
+            self.late = [s for s in out if s.rank != dead]
+            return [RankStatus(r, False, out[r].state, error="died") if r == dead else RankStatus(r, True, RankState(self.gen, step, phase, 0.0))
+                    for r in range(world)]
         return out
 
 
@@ -166,6 +181,18 @@ def test_dead_rank_recovers_from_last_commit(tmp_path):
     assert failure["detected_as"] == "rank_died" and failure["rank"] == 2 and failure["culprit"] == 2
     assert failure["resume_step"] == 4 and failure["lost_steps"] == 2 and failure["recover_s"] > 0
     assert group.starts == [(4, None), (4, 4)]
+    _ledger_clean(ctrl)
+
+
+def test_what_survivors_report_after_a_death_still_counts(tmp_path):
+    # Rank 2 saves step 4 and dies; the survivors' step and save records of step 4 reach the agent only after the
+    # poll that saw the death. The recovery's poll brings them: checkpoint 4 commits and nothing is lost.
+    ctrl, group, _ = _setup(tmp_path)
+    group.dies_before_survivors_report[3] = 2
+    assert _run(ctrl)[-1] is State.FINISHED
+    (failure,) = ctrl.failures
+    assert failure["resume_step"] == 4 and failure["lost_steps"] == 0, failure
+    assert [e["step"] for e in ctrl.events.of("checkpoint_committed")] == [4, 8, 12]
     _ledger_clean(ctrl)
 
 
