@@ -486,7 +486,11 @@ class Controller:
     # -- failures ------------------------------------------------------------------------
     def _on_hang(self, now: float) -> None:
         stacks = self.group.stacks()
-        fresh = {s.rank: s.state for s in self.group.poll(self.cfg.fault.heartbeat_s) if s.alive}
+        statuses = self.group.poll(self.cfg.fault.heartbeat_s)
+        for s in statuses:  # what the ranks that are not stuck did since the last poll still counts
+            if s.state is not None:
+                self._absorb(s.rank, s.state, now)
+        fresh = {s.rank: s.state for s in statuses if s.alive}
         states = {**self.last_polls, **fresh}  # a rank slow to answer this round keeps its last known position
         culprit = self._culprit(stacks, states)
         # The training thread first: truncation keeps it and drops the end of the other threads'.
