@@ -55,7 +55,7 @@ from pathlib import Path
 import ray
 
 import storage
-from storage.format import encode_index
+from storage.format import data_file, encode_index
 from elastic.memory import NodeMemory, memory_root
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
@@ -110,7 +110,8 @@ class _Staged:
 def _sticky(idle: list[_Child], ranks: list[int]) -> list[_Child]:
     """One of `idle` for each of `ranks`, in order: the child that trained a rank last takes it again (its training
     thread then keeps its warm caches, `elastic.rank_process._TrainingThread`); the others go in `idle`'s order."""
-    by_rank = {c.last_rank: c for c in idle if c.last_rank in set(ranks)}
+    wanted = set(ranks)
+    by_rank = {c.last_rank: c for c in idle if c.last_rank in wanted}
     taken = {id(c) for c in by_rank.values()}
     rest = iter(c for c in idle if id(c) not in taken)
     return [by_rank[rank] if rank in by_rank else next(rest) for rank in ranks]
@@ -473,10 +474,9 @@ class NodeAgent:
 
     def memory_read_ranges(self, step: int, rank: int, generation: int, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Byte ranges of `rank`'s whole file of `step` held here: what another node's restoring ranks read of it."""
-        rows = self._memory.inventory(generation).get((generation, step), {}).get(rank)
-        if not rows:
+        if rank not in self._memory.complete_ranks(generation, step):
             raise RuntimeError(f"this node holds no whole file of rank {rank} for memory step {step}")
-        return self._memory.read_ranges(step, rows[0]["file"], ranges)
+        return self._memory.read_ranges(step, data_file(rank, generation), ranges)
 
     def memory_stage(self, step: int, generation: int, rows_by_rank: dict[int, list[dict]], sources: dict, layout: dict, train_state: dict) -> dict:
         """Make memory step `step` loadable here: commit it locally, and keep where each of its files is (`sources`:

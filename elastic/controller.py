@@ -32,7 +32,7 @@ from elastic.events import EventLog
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.ledger import SampleLedger
-from elastic.messages import RankState, StackDump
+from elastic.messages import RankState, RankStatus, StackDump
 from elastic.policies import Failure, FailurePolicy, ScalingPolicy
 from elastic.rendezvous import parse_fault_signal
 from elastic.train import RankSpec, lr_at
@@ -243,9 +243,8 @@ class Controller:
         now = self.clock()
         self._check_fault_signals(now)
         dead = [s for s in statuses if not s.alive]
+        self._absorb_poll(statuses, now)
         for s in statuses:
-            if s.state is not None:  # a dead rank's last records too
-                self._absorb(s.rank, s.state, now)
             if s.alive:
                 self.last_polls[s.rank] = replace(s.state, records=[])
         self._reap_commits(wait=self.state is State.RESIZING)  # a paused job waits for its commit anyway
@@ -287,6 +286,12 @@ class Controller:
         phases = {p.phase for p in self.last_polls.values()}
         if self.watchdog.expired(now, "save" if "save" in phases else "step"):
             self._on_hang(now)
+
+    def _absorb_poll(self, statuses: list[RankStatus], now: float) -> None:
+        """Take in what a poll brought: every rank's new records, a dead rank's last ones too (a poll drains them)."""
+        for s in statuses:
+            if s.state is not None:
+                self._absorb(s.rank, s.state, now)
 
     def _absorb(self, rank: int, state: RankState, now: float) -> None:
         if state.generation != self.generation:
@@ -487,9 +492,7 @@ class Controller:
     def _on_hang(self, now: float) -> None:
         stacks = self.group.stacks()
         statuses = self.group.poll(self.cfg.fault.heartbeat_s)
-        for s in statuses:  # what the ranks that are not stuck did since the last poll still counts
-            if s.state is not None:
-                self._absorb(s.rank, s.state, now)
+        self._absorb_poll(statuses, now)  # what the ranks that are not stuck did since the last poll still counts
         fresh = {s.rank: s.state for s in statuses if s.alive}
         states = {**self.last_polls, **fresh}  # a rank slow to answer this round keeps its last known position
         culprit = self._culprit(stacks, states)
@@ -562,10 +565,7 @@ class Controller:
     # -- RECOVERING -------------------------------------------------------------------------
     def _recover(self) -> None:
         failure = self.pending_failure
-        now = self.clock()
-        for s in self.group.poll(self.cfg.fault.heartbeat_s):  # where the survivors got to, and what they saved on the way
-            if s.state is not None:
-                self._absorb(s.rank, s.state, now)
+        self._absorb_poll(self.group.poll(self.cfg.fault.heartbeat_s), self.clock())  # the survivors' last steps and saves
         kept = self.group.teardown(kill_ranks=[failure.culprit] if failure.culprit is not None else [])
         self._reap_commits(wait=True)
         decision = self.failure_policy.decide(failure)

@@ -49,17 +49,6 @@ _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
 _READ_BLOCK = 8 << 20
 
 
-def _pread_all(fd: int, start: int, end: int) -> bytes:
-    parts = []
-    while start < end:
-        data = os.pread(fd, end - start, start)
-        if not data:
-            raise CheckpointError(f"a memory file ends at byte {start}, before {end}")
-        parts.append(data)
-        start += len(data)
-    return b"".join(parts)
-
-
 def memory_root(memory_dir: str) -> Path:
     """Where a node keeps the memory tiers of its jobs: `memory_dir`, else /dev/shm (RAM), else the temporary directory."""
     if memory_dir:
@@ -193,11 +182,11 @@ class NodeMemory:
 
     def read_ranges(self, step: int, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Byte ranges [start, end) of a data file held here: what another node's restoring ranks read of it."""
-        fd = os.open(self.path / step_dir(step) / rel, os.O_RDONLY)
-        try:
-            return [_pread_all(fd, start, end) for start, end in ranges]
-        finally:
-            os.close(fd)
+        buffers = [bytearray(end - start) for start, end in ranges]
+        got = self.store.read_into(f"{step_dir(step)}/{rel}", [(start, [buf]) for (start, _), buf in zip(ranges, buffers)])
+        if got != [len(buf) for buf in buffers]:
+            raise CheckpointError(f"{self.store.describe(step_dir(step) + '/' + rel)} ends before the ranges asked for")
+        return [bytes(buf) for buf in buffers]
 
     def hollow(self, step: int, rel: str, nbytes: int) -> None:
         """Stand in for another node's data file of a step staged for a restore: its size, all of it a hole (no memory),

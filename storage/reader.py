@@ -172,11 +172,6 @@ def _piece_ranges(groups: list[list[_Need]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def _extent(group: list[_Need]) -> tuple[int, int]:
-    """The bytes [start, end) of a file that one coalesced read covers."""
-    return group[0].piece.byte_offset, group[-1].piece.byte_offset + group[-1].piece.nbytes
-
-
 def _views(need: _Need, targets: dict[str, tuple[torch.Tensor, list[Box]]]):
     """(overlap offsets, overlap lengths, destination view) for every region of the local tensors a piece fills."""
     for key, i, offs, lens in need.copies:
@@ -218,7 +213,7 @@ def _buffers(group: list[_Need], targets):
 def _read_group(store: Store, path: str, group: list[_Need], targets) -> None:
     """One coalesced read of a local file, whole pieces straight into place, then each piece checked (and copied)."""
     name = store.describe(path)
-    start, end = _extent(group)
+    start, end = group[0].piece.byte_offset, group[-1].piece.byte_offset + group[-1].piece.nbytes
     buffers, checks = _buffers(group, targets)
     try:
         got = store.read_into(path, [(start, buffers)])[0]
