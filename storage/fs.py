@@ -546,13 +546,13 @@ def _arrow_kwargs(fs, bucket: str, options: dict) -> dict | None:
     return kwargs
 
 
-def _preadv(fd: int, buffers: list, start: int) -> int:
-    """Fill `buffers` from byte `start` of `fd`, looping over short reads; returns the bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
+def _vectored(transfer, fd: int, views: list[memoryview], start: int) -> int:
+    """`os.preadv` or `os.pwritev` of `views` from byte `start` of `fd`, looping over short transfers, up to an
+    end of file; returns the bytes moved."""
     views = [v for v in views if v.nbytes]
     done, first = 0, 0
     while first < len(views):
-        n = os.preadv(fd, views[first : first + _IOV_MAX], start + done)
+        n = transfer(fd, views[first : first + _IOV_MAX], start + done)
         if n == 0:
             break
         done += n
@@ -562,6 +562,11 @@ def _preadv(fd: int, buffers: list, start: int) -> int:
         if n:
             views[first] = views[first][n:]
     return done
+
+
+def _preadv(fd: int, buffers: list, start: int) -> int:
+    """Fill `buffers` from byte `start` of `fd`, looping over short reads; returns the bytes read."""
+    return _vectored(os.preadv, fd, [memoryview(b).cast("B") for b in buffers], start)
 
 
 # -- data-file writes: staged, checksummed in the copy, O_DIRECT where possible ---------------------------------
@@ -625,8 +630,14 @@ class _DirectFile:
         os.close(self.fd)
 
 
+_PLAIN_BATCH = 2 << 20
+"""`_write_plain` hands the kernel its buffers in batches of about this many bytes, still in cache from their checksum:
+one system call, and one release of the GIL, for many small pieces (a memory snapshot's writer thread shares the GIL
+with the rank's training loop)."""
+
+
 def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
-    """Write a file straight into the page cache (RAM on /dev/shm), buffer by buffer; returns its size.
+    """Write a file straight into the page cache (RAM on /dev/shm), in batches of buffers; returns its size.
 
     For files that need not outlive the machine (the memory tier's): no
     staging copy, no writer thread, no fsync, which on small files cost more
@@ -634,13 +645,16 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
     the new size: its pages are reused, not freed and allocated again.
     """
     fd = _open_at(dir_fd, name, os.O_WRONLY | os.O_CREAT, shown)
-    size = 0
+    size, batch, batched = 0, [], 0
     try:
         for buf in buffers:
             view = memoryview(buf).cast("B")
-            while view:
-                n = os.write(fd, view)
-                view, size = view[n:], size + n
+            batch.append(view)
+            batched += view.nbytes
+            if batched >= _PLAIN_BATCH or len(batch) >= _IOV_MAX:
+                size += _vectored(os.pwritev, fd, batch, size)
+                batch, batched = [], 0
+        size += _vectored(os.pwritev, fd, batch, size)
         os.ftruncate(fd, size)
     finally:
         os.close(fd)

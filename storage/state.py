@@ -138,6 +138,16 @@ class LocalPart:
     shape: tuple[int, ...]
     dtype: torch.dtype
     pieces: list[tuple[Box, torch.Tensor]]
+    raws: list[memoryview | None] | None = None
+    """The pieces' bytes where they are in CPU memory as they are (`piece_bytes`), one per piece; None: not known."""
+
+
+def piece_bytes(data: torch.Tensor) -> memoryview | None:
+    """A piece's bytes in place, without a copy; None where it has to be copied first (not in CPU memory, or not
+    contiguous)."""
+    if data.device.type != "cpu" or not data.is_contiguous():
+        return None
+    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
 
 
 def local_view(local: torch.Tensor, box: Box) -> torch.Tensor:
@@ -232,6 +242,7 @@ class _Planned:
     local: torch.Tensor | None = None
     data_ptr: int = 0
     views: list[tuple[Box, torch.Tensor]] = field(default_factory=list)
+    raws: list[memoryview | None] = field(default_factory=list)
 
 
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -248,7 +259,8 @@ def plan_writes(tensors: dict[str, torch.Tensor], layout_cache: dict | None = No
     `layout_cache` (a dict kept by the caller for saves of one model at one
     layout) keeps it from save to save, and the views too while the tensors
     stay the same (a memory snapshot every step spent a third of its CPU
-    cutting them): it holds on to the tensors it saw last.
+    cutting them), and the views' bytes (`piece_bytes`): it holds on to the
+    tensors it saw last.
     """
     cache = layout_cache if layout_cache is not None else {}
     out = {}
@@ -266,7 +278,8 @@ def plan_writes(tensors: dict[str, torch.Tensor], layout_cache: dict | None = No
         if planned.local is not local or planned.data_ptr != local.data_ptr():
             planned.local, planned.data_ptr = local, local.data_ptr()
             planned.views = [(b, local_view(local, b)) for b in planned.boxes]
-        out[key] = LocalPart(shape, t.dtype, list(planned.views))
+            planned.raws = [piece_bytes(view) for _, view in planned.views]
+        out[key] = LocalPart(shape, t.dtype, list(planned.views), planned.raws)
     return out
 
 
@@ -345,7 +358,7 @@ def copy_pieces(plan: dict[str, LocalPart], *, pool: SnapshotPool | None = None,
             else:
                 buf.copy_(data)
             copies.append((box, buf))
-        part.pieces = copies
+        part.pieces, part.raws = copies, None
     if stream is not None:
         stream.synchronize()
     if pool is not None:

@@ -93,12 +93,14 @@ def write_shards(
         # checksummed just before the store copies it out, so the data is read from memory once. The file's
         # checksum follows from the pieces' (and the zero padding's): no second pass over a large piece.
         nonlocal file_crc, pos
-        for row, (_, data) in zip(rows, (piece for part in plan.values() for piece in part.pieces)):
+        pieces = ((data, raw) for part in plan.values() for (_, data), raw in zip(part.pieces, part.raws or [None] * len(part.pieces)))
+        for row, (data, raw) in zip(rows, pieces):
             if row["byte_offset"] > pos:
                 pad = bytes(row["byte_offset"] - pos)
                 file_crc = crc32(pad, file_crc)
                 yield pad
-            raw = memoryview(data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+            if raw is None:
+                raw = memoryview(data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
             crc = 0
             for i in range(0, max(raw.nbytes, 1), _BLOCK):
                 block = raw[i : i + _BLOCK]

@@ -735,6 +735,21 @@ def test_crc32_combine_is_zlibs_and_the_python_fallback_agrees():
         assert crc32_combine_py(zlib.crc32(a), zlib.crc32(b), b_len) == want
 
 
+def test_the_checksum_is_zlibs_crc32_whichever_library_computes_it():
+    # Checkpoints written with ISA-L's CRC-32 (storage.format.crc32) must verify where only zlib is there, and back.
+    import zlib
+
+    from storage.format import _crc32, crc32
+
+    assert _crc32 is not zlib.crc32  # the fast one is installed (make setup): otherwise this test proves nothing
+    rng = random.Random(11)
+    for n in (0, 1, 63, 4096, 5 * 1024 + 1, 1 << 20, (3 << 20) + 7):
+        data = rng.randbytes(n)
+        seed = rng.getrandbits(32)
+        assert crc32(data) == zlib.crc32(data)
+        assert crc32(memoryview(data)[n // 3 :], seed) == zlib.crc32(memoryview(data)[n // 3 :], seed)
+
+
 def test_a_load_names_the_byte_ranges_it_reads_before_it_reads_any(tmp_path):
     # Three "ranks" each wrote a third of a 9-row tensor. A rank of a 2-way layout reading rows 0-4 reads the first two
     # files only, and learns which bytes before reading: a restore from node memory fetches exactly those (elastic.agent).
