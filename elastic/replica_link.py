@@ -86,7 +86,6 @@ class ReplicaServer:
 
     def _serve(self, conn: socket.socket) -> None:
         idle_this_thread()  # as the sender's (elastic.sched.idle_this_thread)
-        buffer = memoryview(bytearray(_CHUNK))  # this connection's: each chunk is written out before the next is read
         with conn:
             try:
                 if not hmac.compare_digest(_recv_exact(conn, SECRET_BYTES), self._secret):
@@ -94,28 +93,33 @@ class ReplicaServer:
                 while True:
                     header = _recv_msg(conn)
                     try:
-                        self._take(conn, header, buffer)
+                        self._take(conn, header)
                         _send_msg(conn, {"ok": True})
                     except OSError as exc:  # this node could not store it (memory full): the sender learns why
                         _send_msg(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             except (OSError, ValueError, ConnectionError):
                 return  # the peer went, or sent something that is not a frame: its next send reconnects
 
-    def _take(self, conn: socket.socket, header: dict, buffer: memoryview) -> None:
+    def _take(self, conn: socket.socket, header: dict) -> None:
         step, rank, generation = int(header["step"]), int(header["rank"]), int(header["generation"])
         if not 0 <= int(header["body_bytes"]) <= _MAX_HEADER:
             raise ConnectionError(f"a rows file of {header['body_bytes']} bytes is not a peer's")
         body = _recv_exact(conn, int(header["body_bytes"]))
         left = int(header["nbytes"] or 0)
 
+        # One buffer for the whole file, each chunk received into its own part of it: the writer may hold a chunk
+        # until it has more to hand the kernel at once (storage.fs._write_plain), so no chunk may be overwritten.
+        whole = memoryview(bytearray(left))
+
         def chunks():
             nonlocal left
             while left:
-                n = conn.recv_into(buffer, min(len(buffer), left))
+                at = len(whole) - left
+                n = conn.recv_into(whole[at:], min(_CHUNK, left))
                 if not n:
                     raise ConnectionError("the peer closed the replication link mid-file")
                 left -= n
-                yield buffer[:n]
+                yield whole[at:at + n]
 
         try:
             self._memory.keep_two(rank, generation, step)  # first: the file it drops becomes this one (NodeMemory.keep_two)

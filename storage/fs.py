@@ -641,7 +641,8 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
 
     For files that need not outlive the machine (the memory tier's): no
     staging copy, no writer thread, no fsync, which on small files cost more
-    than the bytes. A file already there is overwritten in place and cut to
+    than the bytes. A buffer may be held until a batch is full, so the
+    caller must not overwrite one it has handed over before this returns. A file already there is overwritten in place and cut to
     the new size: its pages are reused, not freed and allocated again.
     """
     fd = _open_at(dir_fd, name, os.O_WRONLY | os.O_CREAT, shown)

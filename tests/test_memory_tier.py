@@ -121,6 +121,21 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
         assert (1, 4) in there.inventory()
 
 
+def test_a_replica_of_many_chunks_lands_byte_for_byte_and_verifies(tmp_path):
+    # A file several of the link's chunks long: the receiver's writer holds chunks until it has a batch for the
+    # kernel, so a chunk received into a reused buffer would overwrite one not yet written (the demo's replicas
+    # failed their CRC-32 that way).
+    from elastic.replica_link import _CHUNK
+    with _link(tmp_path) as (here, there, client, server):
+        here.keep_two(0, 1, 1)
+        state = {"model.w": torch.randn(5 * _CHUNK // 4 + 123, generator=torch.Generator().manual_seed(0))}
+        rows = storage.write_shards(here.uri, 1, 0, state, generation=1, durable=False)
+        here.finish(1, 0, 1, rows)
+        client.send(here.file_path(1, rows), 1, 0, 1, here.rows_body(1, 0, 1))
+        assert there.verify(1, 0, rows) is None
+        assert (there.path / "step_00000001" / rows[0]["file"]).read_bytes() == here.file_path(1, rows).read_bytes()
+
+
 def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link_stays_in_step(tmp_path):
     # Where the receiver cannot store a file (here a directory stands where the file goes; on a node, a full
     # /dev/shm), the sender learns why, and the next file on the same connection lands whole: the refused file's
