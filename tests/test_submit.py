@@ -181,12 +181,17 @@ class TokenCluster:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if any(p.poll() is not None for p in self.procs):
-                logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in self.root.glob("*.log"))
-                raise AssertionError(f"a cluster process exited while waiting for {what}:\n{logs}")
+                raise AssertionError(f"a cluster process exited while waiting for {what}:\n{self._logs()}")
             if ready():
                 return
             time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}")
+        raise AssertionError(f"timed out waiting for {what}:\n{self._logs()}")
+
+    def _logs(self) -> str:
+        """The tails of the processes' own logs and of Ray's dashboard and GCS logs: why a start hung or failed."""
+        ray_logs = self.root / "ray" / "session_latest" / "logs"
+        files = [*self.root.glob("*.log"), *(ray_logs / name for name in ("dashboard.log", "gcs_server.out"))]
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in files if f.is_file())
 
 
 @pytest.fixture(scope="module")
