@@ -43,7 +43,7 @@ bench-strategies: $(STAMP)
 # within single runs (a snapshot every other step; ~45 min): bench/results/memory_tier.json
 bench-memory: $(STAMP)
 	$(PY) bench/memory_tier.py --rounds 2 --steps 50
-	$(PY) bench/memory_tier.py --interleaved --steps 60
+	$(PY) bench/memory_tier.py --interleaved --steps 80
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json
 bench-checkpoint: $(STAMP)
