@@ -194,8 +194,6 @@ class RankRuntime:
 
     def reset(self, command: Reset) -> bool:
         """End this generation here: stop the loop, drop the process group. False if the loop is stuck."""
-        import gc
-
         import torch.distributed as dist
 
         if self._control is not None:

@@ -65,7 +65,18 @@ def build_report(ctrl, attempt: int = 1) -> dict:
         "memory_tier": memory_tier(cfg.checkpoint.memory, cfg.checkpoint.memory_replicas, ctrl.events.events),
         "wall_s": wall,
         "goodput": kept_time / wall if wall > 0 else 0.0,
+        "goodput_training": training_goodput(ctrl.events.of("step"), kept_time),
     }
+
+
+def training_goodput(step_events: list[dict], kept_time: float) -> float | None:
+    """Kept step time over the training window, from the first step's start to the last step's end (None before a
+    step). `goodput` divides by the whole wall time, so a short run reads low for its start-up (Ray, the rank
+    processes, imports) and its final save alone; this is what failures, recoveries and checkpoints cost training."""
+    if not step_events:
+        return None
+    window = step_events[-1]["t"] - (step_events[0]["t"] - step_events[0]["step_s"])
+    return kept_time / window if window > 0 else None
 
 
 def memory_tier(enabled: bool, replicas: int, events: list[dict]) -> dict | None:

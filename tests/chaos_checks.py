@@ -50,6 +50,7 @@ def check_chaos_run(report: dict, run_dir, ckpt_uri: str, ref_uri: str) -> dict:
         elif e["event"] == "generation_start" and e.get("resume_tier") != "memory":  # memory restores are checked above
             assert e["resume_step"] not in bad, f"generation {e['generation']} loaded corrupt checkpoint {e['resume_step']}"
     assert report["faults_injected"] == len(injected)
+    assert report["goodput"] < report["goodput_training"] < 1  # start-up is outside the window; failures inside it
     assert report["failures_detected"] >= len([f for f in injected if f["kind"] != "corrupt"])
     samples = report["samples"]
     assert samples["missing"] == 0 and samples["duplicated"] == 0 and samples["seen_once"] == samples["expected"] > 0

@@ -237,7 +237,7 @@ def test_run_prints_the_layout_before_the_job_starts(tmp_path, capsys, monkeypat
     def run_job(cfg, inject, **kwargs):
         printed.append(capsys.readouterr().out)  # what `elastic run` has printed by the time the job starts
         return {"state": "FINISHED", "steps_completed": 0, "initial_loss": None, "final_loss": None, "world_sizes": [2],
-                "samples": None, "goodput": 0.0, "failures": []}
+                "samples": None, "goodput": 0.0, "goodput_training": None, "failures": []}
 
     monkeypatch.setattr(elastic.job, "run_job", run_job)
     sets = ["parallel.tp=2", "scaling.num_workers=3", "scaling.workers_per_node=0", "fault.inject=[]", f"run_root={tmp_path}"]

@@ -266,6 +266,18 @@ def test_a_run_whose_driver_was_killed_is_rebuilt_from_its_events(run_dir: Path,
     assert "1 detected, 1 faults injected" in out and "4 (dp_shard=4) -> 2 (dp_shard=2)" in out
 
 
+def test_goodput_over_the_training_window_leaves_out_start_up_and_shutdown(run_dir: Path, capsys) -> None:
+    (run_dir / "report.json").unlink()  # rebuilt from the events: the controller's builder shares the helper
+    report, _ = load_run(run_dir)
+    # The 60 kept steps over the wall time less the 1.0 s before the first step and, after the last, its save's
+    # 0.01 s and the 0.1 s of shutdown; the failure's detection, recovery and the 6 steps run twice stay inside the
+    # window, as time not kept.
+    assert report["goodput_training"] == pytest.approx(60 * STEP_S / (report["wall_s"] - 1.11))
+    assert report["goodput"] < report["goodput_training"] < 1
+    assert main(["report", str(run_dir), "--no-plots"]) == 0
+    assert f"{report['goodput_training']:.1%} of the training window" in capsys.readouterr().out
+
+
 def test_every_attempt_of_a_run_is_shown_in_order(tmp_path: Path, capsys) -> None:
     run_dir = make_run(tmp_path / "runs" / "synthetic")
     make_run(run_dir / "attempts" / "1", steps=40)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.errors import UsageError
-from elastic.report import memory_tier
+from elastic.report import memory_tier, training_goodput
 
 REPORT_FIELDS = ("name", "state", "steps_completed", "steps_planned", "initial_loss", "final_loss", "world_sizes", "layouts",
                  "generations", "failures", "failures_detected", "faults_injected", "samples", "checkpoints_committed",
@@ -118,6 +118,7 @@ def report_from_events(events: list[dict]) -> dict:
     ended = [e for e in events if e["event"] == "state" and e.get("state") in ("FINISHED", "FAILED")]
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     wall = events[-1]["t"] - events[0]["t"] + float(start.get("cluster_s") or 0.0)
+    kept_time = sum(kept[s]["step_s"] for s in steps)
     return {
         "name": config.get("name") or start.get("name") or "?",
         "attempt": start.get("attempt", 1),
@@ -143,7 +144,8 @@ def report_from_events(events: list[dict]) -> dict:
         "checkpoint_commit_s": sum(e.get("commit_s") or 0.0 for e in events if e["event"] == "checkpoint_committed"),
         "memory_tier": memory_tier(bool(checkpoint.get("memory")), int(checkpoint.get("memory_replicas", 1)), events),
         "wall_s": wall,
-        "goodput": sum(kept[s]["step_s"] for s in steps) / wall if wall > 0 else 0.0,
+        "goodput": kept_time / wall if wall > 0 else 0.0,
+        "goodput_training": training_goodput([e for e in events if e["event"] == "step"], kept_time),
     }
 
 
@@ -338,7 +340,9 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
         ("run", f"{report['name']} ({state})"),
         ("steps", f"{report['steps_completed']} / {report['steps_planned']}"),
         ("wall time", f"{report['wall_s']:.1f} s"),
-        ("goodput", f"{report['goodput']:.1%} of wall time in kept training steps"),
+        ("goodput", f"{report['goodput']:.1%} of wall time in kept training steps" + (
+            f"; {report['goodput_training']:.1%} of the training window (first step to last)"
+            if report.get("goodput_training") is not None else "")),
         ("loss", f"{_num(report['initial_loss'], '{:.4f}')} -> {_num(report['final_loss'], '{:.4f}')}"),
         *([("eval loss", f"{_num(report['final_eval_loss'], '{:.4f}')} after {report['eval_losses'][-1]['step']} steps "
                          f"({len(report['eval_losses'])} evaluations)")] if report.get("eval_losses") else []),
