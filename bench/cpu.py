@@ -18,8 +18,9 @@ by each class:
 - `machine_other`: everything else on the machine (other users, the kernel);
 - `idle`: cores nobody used.
 
-Rank processes are the tree's `elastic.rank_process` processes (manager) and
-`multiprocessing` spawn children (plain). Reading /proc costs the sampler a
+Rank processes are the tree's processes named `elastic-rank` (manager: started
+afresh or forked by a node's fork server) and `multiprocessing` spawn children
+(plain). Reading /proc costs the sampler a
 few milliseconds a second, on both sides alike.
 """
 
@@ -28,6 +29,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+
+from elastic.rank_process import PROCESS_NAME
 
 HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 GLOO_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -52,9 +55,8 @@ def _stat(path: str) -> tuple[str, int, float] | None:
     return text[text.index("(") + 1 : close], int(fields[1]), (int(fields[11]) + int(fields[12])) / HZ
 
 
-def _is_rank(pid: int) -> bool:
-    cmdline = _read(f"/proc/{pid}/cmdline") or ""
-    return "elastic.rank_process" in cmdline or "multiprocessing.spawn" in cmdline
+def _is_rank(pid: int, comm: str) -> bool:
+    return comm == PROCESS_NAME or "multiprocessing.spawn" in (_read(f"/proc/{pid}/cmdline") or "")
 
 
 def snapshot(root: int) -> dict:
@@ -75,7 +77,7 @@ def snapshot(root: int) -> dict:
             frontier.append(child)
     ranks: dict[int, dict[int, tuple[str, float]]] = {}
     for pid in tree:
-        if pid in procs and _is_rank(pid):
+        if pid in procs and _is_rank(pid, procs[pid][0]):
             threads = {}
             for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
                 if (st := _stat(f"/proc/{pid}/task/{tid}/stat")) is not None:

@@ -1291,8 +1291,10 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def _rank_processes(ancestor: int) -> dict[int, float]:
-    """The `elastic.rank_process` processes below `ancestor` (our `ray start` process: raylet -> agent -> rank),
-    with their CPU seconds so far. Other clusters on this machine run rank processes too: they are not ours."""
+    """The rank processes (`elastic.rank_process.PROCESS_NAME`) below `ancestor` (our `ray start` process: raylet ->
+    agent -> its fork server -> rank), with their CPU seconds so far. Other clusters on this machine run rank processes too: they are not ours."""
+    from elastic.rank_process import PROCESS_NAME
+
     parent, cpu = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -1302,7 +1304,7 @@ def _rank_processes(ancestor: int) -> dict[int, float]:
             continue
         parent[pid] = int(st[1])
         try:
-            if b"elastic.rank_process" in (entry / "cmdline").read_bytes():
+            if (entry / "comm").read_text().strip() == PROCESS_NAME:
                 cpu[pid] = (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             pass
@@ -1565,7 +1567,7 @@ def run_ray_start(args, stamp: dict) -> dict:
         "setup": {"head": " ".join(["ray", *head.argv[1:]]),
                   "submit": "ray job submit --address http://127.0.0.1:<dashboard> --submission-id <id> --working-dir . -- elastic run job.yaml",
                   "job_yaml": ray_start_job_yaml("ray-start-<i>", Path("<tmp>/runs"), args.ray_start_steps),
-                  "kill": f"SIGKILL from outside to one of the {RAY_START_WORLD} busy elastic.rank_process processes once "
+                  "kill": f"SIGKILL from outside to one of the {RAY_START_WORLD} busy rank processes once "
                           f">= {args.ray_start_kill_after} steps are done and the node agent's warm spare is up and idle",
                   "head_up_s": head_up_s},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg()},

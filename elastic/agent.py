@@ -13,6 +13,8 @@ controller's calls:
 
 - `prepare` makes sure enough warm children are up (torch and the training
   code imported), `start` hands each one its rank of the new generation;
+  CPU ranks are forked from the node's fork server (`elastic.zygote`), which
+  imported all that once, GPU ranks start afresh;
 - `poll(generation, wait_s)` is a long poll over all the node's ranks: it
   answers when a child pushes records or ends, or dies (its pipe closes, so a
   killed rank is seen within milliseconds), and otherwise after `wait_s`;
@@ -63,6 +65,7 @@ from elastic.messages import (
     StopAfter,
 )
 from elastic.sched import batch_this_process, idle_this_thread
+from elastic.zygote import ForkedRank, Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_REPORT_S = 0.25
@@ -72,13 +75,15 @@ GATHER_S = 0.02
 """Once a rank's step records wake a poll, how long the agent waits for its other ranks' before it answers."""
 COMMAND_TIMEOUT_S = 10.0
 """How long the agent waits for a rank to answer a quick command (take its start, stop after a step)."""
+ZYGOTE_START_S = 120.0
+"""How long the agent waits for its rank fork server to import the training stack before it starts ranks without it."""
 REPLICA_TIMEOUT_S = 60.0
 """How long the agent waits for its peer to take one replica of a memory snapshot."""
 
 
 @dataclass
 class _Child:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     conn: Connection
     gpus: list[str]
     rank: int | None = None  # None: idle (a spare, or kept warm from an ended generation)
@@ -143,6 +148,9 @@ class NodeAgent:
         # The one thread that forks children: it lives as long as the agent, so their parent-death signal
         # fires when the agent ends and not before. A pool of one thread keeps its thread until shutdown.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        self._zygote: Zygote | None = None
+        if not self._gpus_per_rank:
+            self._spawner.submit(self._start_zygote)  # the first spawn waits for it, on the same thread
         # The memory tier (elastic.memory): this node's snapshots, and the peer node that holds their replicas.
         self._memory = None
         if memory is not None:
@@ -176,19 +184,17 @@ class NodeAgent:
         threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
         return child
 
-    def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen, Connection]:
-        env = dict(os.environ, OMP_NUM_THREADS=self._omp_threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self._import_dirs, env.get("PYTHONPATH")]))
-        if self._gpus_per_rank:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        if self._loopback:
-            # gloo binds to the address the host name resolves to and NCCL to the first outward interface: pin both.
-            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = "lo"
+    def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen | ForkedRank, Connection]:
+        if self._zygote is not None and self._zygote.alive:
+            try:
+                return self._zygote.fork()
+            except OSError:
+                pass  # it died: a fresh process, as without one
         ours, theirs = Pipe()
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "elastic.rank_process", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd(),
+                pass_fds=[theirs.fileno()], env=self._child_env(gpus), cwd=os.getcwd(),
             )
         except BaseException:
             ours.close()
@@ -196,6 +202,23 @@ class NodeAgent:
         finally:
             theirs.close()
         return proc, ours
+
+    def _child_env(self, gpus: list[str]) -> dict:
+        env = dict(os.environ, OMP_NUM_THREADS=self._omp_threads)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*self._import_dirs, env.get("PYTHONPATH")]))
+        if self._gpus_per_rank:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if self._loopback:
+            # gloo binds to the address the host name resolves to and NCCL to the first outward interface: pin both.
+            env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = "lo"
+        return env
+
+    def _start_zygote(self) -> None:
+        """Start the node's rank fork server (CPU ranks only, `elastic.zygote`); without it, ranks start afresh."""
+        try:
+            self._zygote = Zygote(self._child_env([]), ZYGOTE_START_S)
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            print(f"elastic: rank processes start without a fork server: {exc}", file=sys.stderr, flush=True)
 
     def _read(self, c: _Child) -> None:
         """Everything a child sends: readiness, pushed state, command replies; and its end."""

@@ -1,5 +1,8 @@
 """One rank's process: started by its node's agent (`elastic.agent`), trains in a thread, talks to the agent over a pipe.
 
+Started afresh (`main`), or forked from the node's fork server (`serve_forked`,
+`elastic.zygote`); either way it calls itself `PROCESS_NAME`.
+
 A rank is a plain Python process, not a Ray worker: it runs none of Ray's
 threads or timers (on a small machine, each Ray worker's wake-ups are CPU
 taken from training), and it never outlives its agent: the kernel kills it
@@ -35,6 +38,7 @@ environment first.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import itertools
 import os
@@ -337,9 +341,12 @@ def _serve(conn: Connection) -> None:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_NAME = 15
+PROCESS_NAME = "elastic-rank"
+"""What a rank process calls itself (its `comm`, as `ps` and /proc/PID/stat show it), however it was started."""
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """Have the kernel SIGKILL this process when its parent's spawning thread ends; exit now if that already happened.
 
     The pipe's end-of-file reaches only a main thread that is reading it, and
@@ -356,18 +363,45 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+def name_this_process(name: str) -> None:
+    """Set this process's `comm` (at most 15 bytes): a forked rank's command line is its fork server's."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def import_training() -> None:
+    """Import and warm up everything a generation needs, while the process is a spare, not on the recovery path."""
+    import torch
+
+    import elastic.train  # noqa: F401
+
+    _set_threads()
+    _warm_up()
+
+
+def _set_threads() -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
+
+
+def serve_forked(conn: Connection, parent: int) -> None:
+    """A rank process forked from its node's fork server (`elastic.zygote`), which imported everything: serve the agent."""
+    die_with(parent)
+    name_this_process(PROCESS_NAME)
+    faulthandler.enable()  # a crash prints every thread's Python stack into the agent's log
+    _set_threads()  # a fork inherits no thread pool
+    _serve(conn)
+
+
 def main() -> None:
     """`python -m elastic.rank_process FD PARENT_PID`: serve the agent (PARENT_PID) on the inherited pipe end FD."""
-    _die_with(int(sys.argv[2]))
+    die_with(int(sys.argv[2]))
+    name_this_process(PROCESS_NAME)
+    faulthandler.enable()
     conn = Connection(int(sys.argv[1]))
     try:
-        # Everything a generation needs is imported now, while the process is a spare, not on the recovery path.
-        import torch
-
-        import elastic.train  # noqa: F401
-
-        torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
-        _warm_up()
+        import_training()
     except BaseException:
         conn.send(StartFailed(traceback.format_exc()))
         raise

@@ -31,17 +31,23 @@ def _wait_gone(pids, within_s: float) -> bool:
     return all(_gone(pid) for pid in pids)
 
 
-def _rank_processes_of(parent: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+def _stat(pid) -> tuple[str, str, int]:
+    """(comm, state, parent pid) of a process."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    comm, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
+    return comm, rest[0], int(rest[1])
+
+
+def _rank_processes_of(agent: int) -> list[int]:
+    """The live rank processes an agent started: its children, or its fork server's (`elastic.zygote`)."""
+    stats = {}
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_text()
+            stats[int(entry.name)] = _stat(entry.name)
         except OSError:
             continue
-        if int(fields[1]) == parent and fields[0] != "Z" and "elastic.rank_process" in cmdline:
-            out.append(int(stat.parent.name))
-    return out
+    parents = {agent} | {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == "elastic-zygote"}
+    return [pid for pid, (comm, state, ppid) in stats.items() if ppid in parents and state != "Z" and comm == "elastic-rank"]
 
 
 RAY_CLEANUP_OFF = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0"}
@@ -107,10 +113,8 @@ def test_rank_processes_run_no_ray_code_and_die_with_their_agent(ray_node):
     agent, agent_pid = _agent()
     pids = ray.get(agent.prepare.remote(2, 0, 120.0))
     try:
-        assert len(set(pids)) == 2
+        assert len(set(pids)) == 2 and sorted(_rank_processes_of(agent_pid)) == sorted(pids)
         for pid in pids:
-            assert "elastic.rank_process" in Path(f"/proc/{pid}/cmdline").read_text()
-            assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == agent_pid
             maps = Path(f"/proc/{pid}/maps").read_text()
             assert "_raylet" not in maps, "a rank process loaded Ray's core worker"
         # Asked again, the agent reuses its warm processes.

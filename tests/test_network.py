@@ -21,6 +21,7 @@ from elastic.config import load_config
 from elastic.controller import Controller, State
 from elastic.events import EventLog
 from elastic.faults import parse_faults
+from elastic.rank_process import PROCESS_NAME
 from elastic.rendezvous import open_store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def _rank_environments(pids: set[int]) -> dict[int, dict[str, str]]:
     out = {}
     for pid in pids:
         try:
-            if b"elastic.rank_process" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if Path(f"/proc/{pid}/comm").read_text().strip() != PROCESS_NAME:
                 continue
             raw = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
