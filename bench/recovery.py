@@ -443,7 +443,8 @@ GOODPUT_DEFINITION = (
     "steps is the step time of the last run of every step but the first (a step rolled back and re-run counts once, its kept "
     "run). goodput_whole_run is elastic's report.json goodput (kept step time / the run's wall time from before Ray starts) "
     "and, for Ray Train, the same from its step log (fit's wall time from before its cluster starts). Step time: elastic's "
-    "slowest rank's step (report.json's step_s); Ray Train's rank 0 around its FSDP step. Time outside steps (checkpoint "
+    "slowest rank's step, capped by the wall time since the step before ended (the step events' kept_s; before 2026-12-04 "
+    "the uncapped step_s, a sum of each step's slowest rank that outgrew the wall time, by 2.5% in make demo); Ray Train's rank 0 around its FSDP step. Time outside steps (checkpoint "
     "saves, detection, restarts, waiting) is not kept time."
 )
 
@@ -492,6 +493,7 @@ def scenario_goodput_elastic(variant: str, tmp: Path, args) -> dict:
     elastic_durable: `checkpoint.memory: false`, durable every 20 steps. Node faults: `node:...,back=T`."""
     from elastic.events import read_events
     from elastic.job import run_job
+    from elastic.report import kept_step_s
 
     cfg = goodput_cfg(f"goodput-{variant}", tmp, args, memory=variant == "elastic_memory")
     specs = [f"kill:rank={f['rank']},step={f['step']}" if f["kind"] == "kill" else f"node:rank={f['rank']},step={f['step']},back={args.node_back_s:g}"
@@ -503,7 +505,7 @@ def scenario_goodput_elastic(variant: str, tmp: Path, args) -> dict:
     steps = [e for e in events if e["event"] == "step"]
     last_run = {}
     for e in steps:
-        last_run[e["step"]] = e["step_s"]  # a re-run step overwrites its rolled-back run
+        last_run[e["step"]] = kept_step_s(e)  # a re-run step overwrites its rolled-back run
     out = {"state": report["state"], "steps_completed": report["steps_completed"], "wall_s": wall, "report_wall_s": report["wall_s"],
            "goodput_whole_run": report["goodput"], "faults_injected": report["faults_injected"], "world_sizes": report["world_sizes"],
            "samples": report["samples"], "memory_tier": report.get("memory_tier"), "checkpoints_committed": len(report["checkpoints_committed"])}

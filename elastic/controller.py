@@ -60,6 +60,7 @@ class _StepTally:
     samples: list[int] = field(default_factory=list)
     digest: int = 0  # sum of the samples' CRCs (elastic.data.batch_digest)
     duration: float = 0.0  # the slowest rank's time for the step, measured on the workers
+    ended: float = 0.0  # when the last rank finished it (its wall clock)
     memory_stall: float = 0.0  # the longest any rank waited in it for its memory snapshot (part of `duration`)
     ranks: set[int] = field(default_factory=set)  # whose records are counted
 
@@ -101,6 +102,7 @@ class Controller:
         self.resume_tier = "durable"  # where resume_step is: "durable", or "memory" (then memory_restore is its plan)
         self.memory_restore: dict | None = None
         self.completed_step = -1  # last step every data slice reported in this generation
+        self.last_step_ended: float | None = None  # when the last completed step ended (wall clock), of any generation
         self.pending_failure: Failure | None = None
         self.losses: dict[int, float] = {}
         self.tallies: dict[int, _StepTally] = {}
@@ -325,6 +327,7 @@ class Controller:
             return  # already counted (a record filled in from a memory snapshot comes again)
         tally.ranks.add(rank)
         tally.duration = max(tally.duration, rec["t_end"] - rec["t_start"])
+        tally.ended = max(tally.ended, rec["t_end"])
         tally.memory_stall = max(tally.memory_stall, rec.get("memory_stall_s", 0.0))
         if "loss_sum" not in rec:
             return
@@ -340,13 +343,17 @@ class Controller:
         self.losses[step] = loss
         self.ledger.record(step, tally.samples, expected=self.sampler.global_indices(step))
         duration = tally.duration
+        # What the step adds to kept time: the slowest rank's time, but never more than the wall time since the
+        # step before ended. Each step's slowest rank is another, and a sum of their times outgrows the wall time.
+        kept = duration if self.last_step_ended is None else max(0.0, min(duration, tally.ended - self.last_step_ended))
+        self.last_step_ended = tally.ended
         self.completed_step = step
         self.watchdog.observe_step(duration, now)
         if not self.spares_requested:
             self.spares_requested = True
             self._replenish()
         self.events.emit(
-            "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration,
+            "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, kept_s=kept,
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
             **({"memory_stall_s": tally.memory_stall} if self.cfg.checkpoint.memory else {}),
         )

@@ -25,7 +25,7 @@ def build_report(ctrl, attempt: int = 1) -> dict:
     cfg = ctrl.cfg
     steps = sorted(ctrl.losses)
     wall = ctrl.clock() - ctrl.started_at
-    last_run = {e["step"]: e["step_s"] for e in ctrl.events.of("step")}  # a re-run step overwrites its rolled-back run
+    last_run = {e["step"]: kept_step_s(e) for e in ctrl.events.of("step")}  # a re-run step overwrites its rolled-back run
     kept_time = sum(last_run[s + 1] for s in steps)  # events number steps from 1, the loss table by their index
     injected = ctrl.events.of("fault_injected")
     return {
@@ -67,6 +67,12 @@ def build_report(ctrl, attempt: int = 1) -> dict:
         "goodput": kept_time / wall if wall > 0 else 0.0,
         "goodput_training": training_goodput(ctrl.events.of("step"), kept_time),
     }
+
+
+def kept_step_s(step_event: dict) -> float:
+    """What a step event adds to kept time: `kept_s`, the slowest rank's step time capped by the wall time since the
+    step before ended (`elastic.controller`); an older log's events have only `step_s`."""
+    return step_event.get("kept_s", step_event["step_s"])
 
 
 def training_goodput(step_events: list[dict], kept_time: float) -> float | None:

@@ -40,6 +40,7 @@ class ScriptedGroup:
         # they come with the next poll)
         self.dies_before_survivors_report: dict[int, int] = {}
         self.late: list[RankStatus] | None = None
+        self.step_times = lambda rank, step: (0.0, 0.01)  # a rank's (t_start, t_end) of a step, on its clock
 
     # the RayWorkerGroup surface the controller uses
     def capacity(self) -> int:
@@ -102,7 +103,8 @@ class ScriptedGroup:
         out = []
         done = step + 1
         for r in range(world):
-            rec = {"kind": "step", "step": step, "t_start": 0.0, "t_end": 0.01, "grad_norm": 1.0}
+            t_start, t_end = self.step_times(r, step)
+            rec = {"kind": "step", "step": step, "t_start": t_start, "t_end": t_end, "grad_norm": 1.0}
             if self.layout.is_data_reporter(r):
                 rec.update(loss_sum=1.0, samples=self.sampler.rank_indices(step, self.layout.dp_rank(r), self.layout.dp), data_digest=0)
             records = [rec]
@@ -162,6 +164,23 @@ def test_happy_path_one_transition_at_a_time(tmp_path):
     assert [e["step"] for e in ctrl.events.of("checkpoint_committed")] == [4, 8, 12]
     assert [c["step"] for c in storage.list_checkpoints(ctrl.cfg.checkpoint.uri)] == [12, 8, 4]
     _ledger_clean(ctrl)
+
+
+def test_kept_time_never_outgrows_the_wall_time_when_each_step_has_another_slowest_rank(tmp_path):
+    # Every rank's steps follow one another on its clock, one a second, but at each step another rank leaves the
+    # last collective 0.3 s early: it starts its next step early and waits out 1.3 s in it. The slowest rank's
+    # time is then 1.3 s at every step, over 1 s of wall time per step.
+    ctrl, group, _ = _setup(tmp_path)
+
+    def end(rank, step):
+        return -1.0 if step < 0 else step + 1 - (0.3 if rank == step % 4 else 0.0)
+
+    group.step_times = lambda rank, step: (end(rank, step - 1), end(rank, step))
+    assert _run(ctrl)[-1] is State.FINISHED
+    steps = ctrl.events.of("step")
+    assert [round(e["step_s"], 6) for e in steps] == [2.0] + [1.3] * 11  # each step's slowest rank
+    assert [round(e["kept_s"], 6) for e in steps] == [2.0] + [1.0] * 11  # capped by the wall time since the step before
+    assert sum(e["kept_s"] for e in steps) == pytest.approx(13.0)  # what the ranks spanned: from -1 s to 12 s
 
 
 def test_a_node_without_a_spare_is_a_warning_not_a_failure(tmp_path):

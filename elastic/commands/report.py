@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.errors import UsageError
-from elastic.report import memory_tier, training_goodput
+from elastic.report import kept_step_s, memory_tier, training_goodput
 
 REPORT_FIELDS = ("name", "state", "steps_completed", "steps_planned", "initial_loss", "final_loss", "world_sizes", "layouts",
                  "generations", "failures", "failures_detected", "faults_injected", "samples", "checkpoints_committed",
@@ -118,7 +118,7 @@ def report_from_events(events: list[dict]) -> dict:
     ended = [e for e in events if e["event"] == "state" and e.get("state") in ("FINISHED", "FAILED")]
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     wall = events[-1]["t"] - events[0]["t"] + float(start.get("cluster_s") or 0.0)
-    kept_time = sum(kept[s]["step_s"] for s in steps)
+    kept_time = sum(kept_step_s(kept[s]) for s in steps)
     return {
         "name": config.get("name") or start.get("name") or "?",
         "attempt": start.get("attempt", 1),
@@ -239,7 +239,7 @@ def analyse(report: dict, events: list[dict]) -> RunTimeline:
     median_step = statistics.median(step_times) if step_times else 0.0
     lost_steps = sum(e.get("lost_steps") or 0 for e in events if e["event"] == "recovering")
     parts = {
-        "training": sum(last_run[s]["step_s"] for s in out.kept_steps) - _stall_in_steps(events, last_run),
+        "training": sum(kept_step_s(last_run[s]) for s in out.kept_steps) - _stall_in_steps(events, last_run),
         "start-up": _startup_s(events, t0, cluster_s),
         # The ranks' own wait for a save, not the controller's commit, which runs in the background
         # (summary_rows shows it apart).
