@@ -385,20 +385,23 @@ def _set_threads() -> None:
     torch.set_num_threads(max(1, int(os.environ.get("ELASTIC_TORCH_THREADS", "1"))))
 
 
-def serve_forked(conn: Connection, parent: int) -> None:
-    """A rank process forked from its node's fork server (`elastic.zygote`), which imported everything: serve the agent."""
+def _become_rank(parent: int) -> None:
+    """What every rank process does first, however it was started."""
     die_with(parent)
     name_this_process(PROCESS_NAME)
     faulthandler.enable()  # a crash prints every thread's Python stack into the agent's log
+
+
+def serve_forked(conn: Connection, parent: int) -> None:
+    """A rank process forked from its node's fork server (`elastic.zygote`), which imported everything: serve the agent."""
+    _become_rank(parent)
     _set_threads()  # a fork inherits no thread pool
     _serve(conn)
 
 
 def main() -> None:
     """`python -m elastic.rank_process FD PARENT_PID`: serve the agent (PARENT_PID) on the inherited pipe end FD."""
-    die_with(int(sys.argv[2]))
-    name_this_process(PROCESS_NAME)
-    faulthandler.enable()
+    _become_rank(int(sys.argv[2]))
     conn = Connection(int(sys.argv[1]))
     try:
         import_training()

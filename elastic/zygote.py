@@ -37,6 +37,8 @@ from multiprocessing.connection import Connection
 
 from elastic.messages import Ready, StartFailed
 
+PROCESS_NAME = "elastic-zygote"
+"""What the fork server calls itself (its `comm`); the ranks it forks rename themselves (`elastic.rank_process.PROCESS_NAME`)."""
 REAP_POLL_S = 0.02
 """How often the zygote looks again for a rank it was asked to reap that has closed its pipe but not yet exited."""
 
@@ -46,7 +48,7 @@ def main() -> None:
     from elastic import rank_process
 
     rank_process.die_with(int(sys.argv[2]))
-    rank_process.name_this_process("elastic-zygote")
+    rank_process.name_this_process(PROCESS_NAME)
     conn = Connection(int(sys.argv[1]))
     try:
         rank_process.import_training()
@@ -62,12 +64,11 @@ def _serve(conn: Connection) -> None:
 
     asked: set[int] = set()  # ranks to reap once they exit
     while True:
-        if asked:
-            for pid in list(asked):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    asked.discard(pid)
-                    conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
+        for pid in list(asked):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                asked.discard(pid)
+                conn.send(("exited", pid, os.waitstatus_to_exitcode(status)))
         if not conn.poll(REAP_POLL_S if asked else None):
             continue
         try:

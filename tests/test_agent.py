@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic import rank_process, zygote
+
 pytestmark = pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
 
 
@@ -46,8 +48,8 @@ def _rank_processes_of(agent: int) -> list[int]:
             stats[int(entry.name)] = _stat(entry.name)
         except OSError:
             continue
-    parents = {agent} | {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == "elastic-zygote"}
-    return [pid for pid, (comm, state, ppid) in stats.items() if ppid in parents and state != "Z" and comm == "elastic-rank"]
+    parents = {agent} | {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == zygote.PROCESS_NAME}
+    return [pid for pid, (comm, state, ppid) in stats.items() if ppid in parents and state != "Z" and comm == rank_process.PROCESS_NAME]
 
 
 RAY_CLEANUP_OFF = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0"}

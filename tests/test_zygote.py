@@ -9,7 +9,7 @@ import pytest
 
 from elastic.messages import Ready
 from elastic.rank_process import PROCESS_NAME
-from elastic.zygote import Zygote
+from elastic.zygote import PROCESS_NAME as ZYGOTE_NAME, Zygote
 
 pytestmark = pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
 
@@ -28,7 +28,7 @@ def zygote():
 
 
 def test_forked_ranks_are_ready_at_once_named_as_ranks_and_report_how_they_ended(zygote):
-    assert _comm_and_parent(zygote.proc.pid) == ("elastic-zygote", os.getpid())
+    assert _comm_and_parent(zygote.proc.pid) == (ZYGOTE_NAME, os.getpid())
     killed, conn = zygote.fork()
     ready = conn.recv()
     assert isinstance(ready, Ready) and ready.pid == killed.pid
