@@ -77,6 +77,9 @@ COMMAND_TIMEOUT_S = 10.0
 """How long the agent waits for a rank to answer a quick command (take its start, stop after a step)."""
 ZYGOTE_START_S = 120.0
 """How long the agent waits for its rank fork server to import the training stack before it starts ranks without it."""
+ZYGOTE_RESTARTS = 3
+"""How many times an agent starts its rank fork server again after it died (its ranks died with it); then ranks start
+afresh: a fork server that keeps dying is costing more than it saves."""
 REPLICA_TIMEOUT_S = 60.0
 """How long the agent waits for its peer to take one replica of a memory snapshot."""
 
@@ -149,6 +152,7 @@ class NodeAgent:
         # fires when the agent ends and not before. A pool of one thread keeps its thread until shutdown.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
         self._zygote: Zygote | None = None
+        self._zygote_restarts = 0
         if not self._gpus_per_rank:
             self._spawner.submit(self._start_zygote)  # the first spawn waits for it, on the same thread
         # The memory tier (elastic.memory): this node's snapshots, and the peer node that holds their replicas.
@@ -185,6 +189,11 @@ class NodeAgent:
         return child
 
     def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen | ForkedRank, Connection]:
+        if self._zygote is not None and not self._zygote.alive and self._zygote_restarts < ZYGOTE_RESTARTS:
+            self._zygote_restarts += 1
+            print(f"elastic: the rank fork server ended (status {self._zygote.proc.wait()}), its ranks with it; starting"
+                  f" another ({self._zygote_restarts} of {ZYGOTE_RESTARTS})", file=sys.stderr, flush=True)
+            self._start_zygote()
         if self._zygote is not None and self._zygote.alive:
             try:
                 return self._zygote.fork()

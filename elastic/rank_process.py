@@ -370,12 +370,16 @@ def name_this_process(name: str) -> None:
 
 
 def import_training() -> None:
-    """Import and warm up everything a generation needs, while the process is a spare, not on the recovery path."""
-    import torch
+    """Import and warm up everything a generation needs, while the process is a spare, not on the recovery path.
+
+    It starts no thread: the node's fork server (`elastic.zygote`) runs it
+    before it forks ranks, and each rank sets its torch threads itself
+    (`_set_threads`), after its start or its fork.
+    """
+    import torch  # noqa: F401
 
     import elastic.train  # noqa: F401
 
-    _set_threads()
     _warm_up()
 
 
@@ -405,6 +409,7 @@ def main() -> None:
     conn = Connection(int(sys.argv[1]))
     try:
         import_training()
+        _set_threads()
     except BaseException:
         conn.send(StartFailed(traceback.format_exc()))
         raise

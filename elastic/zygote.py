@@ -8,11 +8,23 @@ spawning thread, like a rank process, so it dies with the agent), which pays
 that once; each rank process is then a fork of it, ready in milliseconds and
 sharing its imported pages. A forked rank is a child of the zygote and dies
 with it (its parent-death signal; the zygote runs one thread). An agent
-whose zygote could not start, or died, starts ranks afresh.
+whose zygote died starts another (`elastic.agent.ZYGOTE_RESTARTS` times at
+most); one whose zygote could not start starts ranks afresh.
 
 Only for ranks without a GPU: a fork is safe only from a process that never
 initialised CUDA, and that has not been checked on a GPU node, so GPU ranks
 start as fresh processes (`elastic.agent`).
+
+A fork copies only the thread that called it: a lock another thread held
+stays locked in the child for good. So the zygote keeps to one thread.
+Torch's pools start in each rank, after its fork
+(`elastic.rank_process._set_threads`); two libraries would start threads as
+they load, and the zygote's environment turns them off: pyarrow's bundled
+jemalloc its background purger (`JE_ARROW_MALLOC_CONF`; freed pages are then
+returned by the threads that free them), and numpy's OpenBLAS its pool
+(`OPENBLAS_NUM_THREADS=1` unless set; the ranks do their math in torch).
+Should a thread be there even so, the zygote names it on stderr, in the
+agent's log.
 
 The agent's side of the pipe (`Zygote`), one message at a time:
 
@@ -55,8 +67,23 @@ def main() -> None:
     except BaseException:
         conn.send(StartFailed(traceback.format_exc()))
         raise
+    if len(threads := _thread_names()) > 1:
+        print(f"elastic: the rank fork server forks with {len(threads)} threads ({', '.join(threads)}); a lock one of "
+              "them holds at a fork stays held in that rank", file=sys.stderr, flush=True)
     conn.send(Ready(os.getpid()))
     _serve(conn)
+
+
+def _thread_names() -> list[str]:
+    """This process's threads' names (Linux; elsewhere none are listed)."""
+    names = []
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # ended meanwhile
+    return sorted(names)
 
 
 def _serve(conn: Connection) -> None:
@@ -113,11 +140,15 @@ class Zygote:
     """The agent's end: start the zygote and wait until it is ready (on the agent's spawning thread), then fork ranks."""
 
     def __init__(self, env: dict, timeout_s: float):
+        one_thread = {  # see the module's docstring; in jemalloc's options the last setting wins over the user's
+            "JE_ARROW_MALLOC_CONF": ",".join(filter(None, [env.get("JE_ARROW_MALLOC_CONF"), "background_thread:false"])),
+            "OPENBLAS_NUM_THREADS": env.get("OPENBLAS_NUM_THREADS", "1"),
+        }
         ours, theirs = Pipe()
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "elastic.zygote", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=[theirs.fileno()], env=env, cwd=os.getcwd(),
+                pass_fds=[theirs.fileno()], env={**env, **one_thread}, cwd=os.getcwd(),
             )
         finally:
             theirs.close()

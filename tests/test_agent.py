@@ -127,6 +127,38 @@ def test_rank_processes_run_no_ray_code_and_die_with_their_agent(ray_node):
         _kill_and_reap(agent, pids)
 
 
+def _zygote_of(agent: int) -> int | None:
+    """The agent's live fork server (`elastic.zygote`), if it has one."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            comm, state, ppid = _stat(entry.name)
+        except OSError:
+            continue
+        if ppid == agent and comm == zygote.PROCESS_NAME and state != "Z":
+            return int(entry.name)
+    return None
+
+
+def test_a_dead_fork_server_is_started_again_for_the_next_ranks(ray_node):
+    import ray
+
+    agent, agent_pid = _agent()
+    pids = ray.get(agent.prepare.remote(1, 0, 120.0))
+    try:
+        first = _zygote_of(agent_pid)
+        assert first is not None and _stat(pids[0])[2] == first
+        os.kill(first, signal.SIGKILL)
+        assert _wait_gone(pids, 10), "a forked rank outlived its fork server"
+        # The next ranks are forked again, from a new fork server: not each started afresh at a cold start's cost.
+        deadline, dead = time.monotonic() + 10, pids
+        while pids == dead and time.monotonic() < deadline:  # until the agent has seen its rank's end
+            pids = ray.get(agent.prepare.remote(1, 0, 120.0))
+        second = _zygote_of(agent_pid)
+        assert second not in (None, first) and _stat(pids[0])[2] == second
+    finally:
+        _kill_and_reap(agent, pids)
+
+
 def test_rank_whose_main_thread_is_busy_dies_with_its_agent(ray_node, store):
     # The rank's main thread is in a long `reset` (joining a training thread stuck in the rendezvous), so it
     # reads no pipe EOF: only the parent-death signal ends it when the agent is SIGKILLed.

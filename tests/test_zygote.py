@@ -21,10 +21,22 @@ def _comm_and_parent(pid: int) -> tuple[str, int]:
 
 @pytest.fixture
 def zygote():
-    z = Zygote(dict(os.environ), 120.0)
+    # More than one torch thread asked for: the ranks' pools start after their fork, never in the fork server.
+    z = Zygote(dict(os.environ, ELASTIC_TORCH_THREADS="2", OMP_NUM_THREADS="2"), 120.0)
     yield z
     z.proc.kill()
     z.proc.wait()
+
+
+def test_the_fork_server_forks_from_one_thread(zygote):
+    # A fork copies only the forking thread; a lock another thread (pyarrow's jemalloc purger, a torch pool) held at
+    # that moment would stay held in the rank for good.
+    threads = [Path(f"/proc/{zygote.proc.pid}/task/{tid}/comm").read_text().strip() for tid in os.listdir(f"/proc/{zygote.proc.pid}/task")]
+    assert threads == [ZYGOTE_NAME]
+    rank, conn = zygote.fork()
+    assert isinstance(conn.recv(), Ready)
+    conn.close()
+    assert rank.wait() == 0
 
 
 def test_forked_ranks_are_ready_at_once_named_as_ranks_and_report_how_they_ended(zygote):
