@@ -169,10 +169,6 @@ class NodeMemory:
     def read(self, step: int, rel: str) -> bytes:
         return self.store.read(f"{step_dir(step)}/{rel}")
 
-    def put(self, step: int, rank: int, generation: int, buffers: Iterable, rows: list[dict], records: list[dict] = ()) -> None:
-        """Hold a whole copy of another node's file, then its rows: as if its replica had landed here."""
-        self.put_file(step, rank, generation, buffers if rows else None, rows_body(rows, records))
-
     def put_file(self, step: int, rank: int, generation: int, buffers: Iterable | None, body: bytes) -> None:
         """Hold a replica of another node's file (None: its rank had nothing to store), then its rows file's `body`
         as it was there (`rows_body`): the replica is then complete, as if its rank had written it here."""

@@ -217,7 +217,7 @@ def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lo
     for step in (6, 7):
         for rank, own, peer in ((0, a, b), (1, b, a)):
             rows = _write(own, step, rank)
-            peer.put(step, rank, 1, [own.read(step, rows[0]["file"])], rows)
+            peer.put_file(step, rank, 1, [own.read(step, rows[0]["file"])], rows_body(rows))
     _write(a, 8, rank=0)  # rank 1 died writing step 8: not whole anywhere
     tier, events = _tier(tmp_path)
     point = tier.find(_Agents({"b": b}), newer_than=4, train_state=lambda s: {"step": s, "data": {"position": 16 * s}})
@@ -236,7 +236,7 @@ def test_a_step_past_the_controllers_records_is_restored_only_when_its_files_fil
             rows = _write(own, step, rank)
             records = [{"kind": "step", "step": step - 1, "rank": rank}]
             own.finish(step, rank, 1, rows, records)
-            peer.put(step, rank, 1, [own.read(step, rows[0]["file"])], rows, records)
+            peer.put_file(step, rank, 1, [own.read(step, rows[0]["file"])], rows_body(rows, records))
     agents = _Agents({"b": b})
     agents.memory_records = lambda generation, step, holders: {
         r: b.step_records(generation, step)[r] for r, node in holders.items() if node == "b"}
@@ -270,7 +270,7 @@ def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tm
     a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
     for rank, own, peer in ((0, a, b), (1, b, a)):
         rows = _write(own, 3, rank)
-        peer.put(3, rank, 1, [own.read(3, rows[0]["file"])], rows)
+        peer.put_file(3, rank, 1, [own.read(3, rows[0]["file"])], rows_body(rows))
     tier, events = _tier(tmp_path)
     a.corrupt(seed=1)
     point = tier.find(_Agents({"a": a, "b": b}), newer_than=None, train_state=lambda s: {"data": {"position": 0}})
