@@ -5,8 +5,10 @@ Skipped where torch sees no GPU (CI has none). On a GPU machine:
     python -m pytest tests/test_gpu.py -v
 
 The first two tests run in this process on a one-rank NCCL group; the last
-two start an embedded Ray cluster with one GPU and run the real agent and a
-real job on it (the ranks use NCCL and FSDP's bf16 mixed precision).
+three start an embedded Ray cluster with one GPU and run the real agent and
+real jobs on it (the ranks use NCCL and FSDP's bf16 mixed precision), one of
+them with the memory tier, whose snapshots are copied to pinned host memory
+on a side stream.
 """
 
 from __future__ import annotations
@@ -176,12 +178,14 @@ def _job(tmp_path, name, **over):
     return _cfg(tmp_path, name, **one_gpu, **over)
 
 
-def test_job_on_the_gpu_recovers_a_killed_rank_from_its_gpu_checkpoint(tmp_path):
+def _killed_at_13_and_resumed(tmp_path, what: str, **over) -> dict:
+    """A one-GPU job (with `over`) whose rank is killed at step 13, against the same job uninterrupted: the same
+    samples, once each, and the same final state (bf16 mixed precision: within 1e-3, bit-exact is printed); its one failure."""
     from ckpt_utils import full_tensors
     from elastic.job import run_job
 
     ref = run_job(_job(tmp_path, "ref"), quiet=True)
-    hit = run_job(_job(tmp_path, "kill", **{"checkpoint.async_save": "true"}), ["kill:rank=0,step=13"], quiet=True)
+    hit = run_job(_job(tmp_path, "kill", **over), ["kill:rank=0,step=13"], quiet=True)
     assert ref["state"] == hit["state"] == "FINISHED", (ref.get("reason"), hit.get("reason"))
     (failure,) = hit["failures"]
     assert failure["kind"] == "kill" and failure["rank"] == 0
@@ -191,6 +195,21 @@ def test_job_on_the_gpu_recovers_a_killed_rank_from_its_gpu_checkpoint(tmp_path)
     a, b = full_tensors(str(tmp_path / "ref" / "ckpt"), 24), full_tensors(str(tmp_path / "kill" / "ckpt"), 24)
     assert a.keys() == b.keys()
     exact = all(torch.equal(a[k], b[k]) for k in a)
-    print(f"GPU job resumed from its checkpoint: final state bit-exact with the uninterrupted run: {exact}")
+    print(f"GPU job resumed from {what} ({failure['lost_steps']} steps lost): final state bit-exact with the uninterrupted run: {exact}")
     worst = max(float((a[k].double() - b[k].double()).norm() / a[k].double().norm().clamp_min(1e-30)) for k in a)
     assert worst < 1e-3, worst
+    return hit
+
+
+def test_job_on_the_gpu_recovers_a_killed_rank_from_its_gpu_checkpoint(tmp_path):
+    _killed_at_13_and_resumed(tmp_path, "its checkpoint", **{"checkpoint.async_save": "true"})
+
+
+def test_job_on_the_gpu_recovers_a_killed_rank_from_its_memory_snapshot(tmp_path):
+    # One GPU: one worker on one node, so no replica; each step's snapshot is the pinned side-stream copy
+    # (elastic.train.Trainer._write_memory), and the killed rank's successor loads it back onto the GPU.
+    memory = {"checkpoint.memory": "true", "checkpoint.memory_replicas": "0", "checkpoint.memory_dir": str(tmp_path / "node-memory")}
+    hit = _killed_at_13_and_resumed(tmp_path, "its memory snapshot", **memory)
+    (failure,) = hit["failures"]
+    assert failure["restored_from"] == "memory" and failure["lost_steps"] <= 1, failure
+    assert hit["memory_tier"]["snapshots_committed"] >= 20
