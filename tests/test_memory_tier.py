@@ -51,6 +51,17 @@ def test_a_rank_keeps_its_newest_whole_snapshot_and_the_one_it_writes(tmp_path):
     assert (1, 4) not in mem.inventory() and sorted(mem.inventory()) == [(1, 3)]
 
 
+def test_retention_leaves_no_empty_step_directories_when_no_step_commits(tmp_path):
+    # Nothing commits (no drop_below: replicas refused, say): the directories of dropped steps go too, or every
+    # keep_two would walk a growing list of them. A directory with another rank's file in it stays.
+    mem = NodeMemory(tmp_path / "node")
+    _write(mem, 1, rank=1)
+    for step in range(1, 41):
+        _write(mem, step, rank=0)
+    assert mem.steps() == [1, 39, 40]
+    assert sorted(mem.inventory()) == [(1, 1), (1, 39), (1, 40)]
+
+
 def test_the_file_retention_drops_is_overwritten_by_the_next_write_unless_a_send_may_still_read_it(tmp_path):
     # The data file that keep_two drops becomes the next step's (the same inode, no rows: not complete), and the
     # write overwrites it in place and cuts it to size. With reuse=False (a replica's send timed out and may still
