@@ -376,9 +376,7 @@ def import_training() -> None:
     before it forks ranks, and each rank sets its torch threads itself
     (`_set_threads`), after its start or its fork.
     """
-    import torch  # noqa: F401
-
-    import elastic.train  # noqa: F401
+    import elastic.train  # noqa: F401  (torch, DTensor and the strategies with it)
 
     _warm_up()
 
