@@ -444,8 +444,8 @@ GOODPUT_DEFINITION = (
     "run). goodput_whole_run is elastic's report.json goodput (kept step time / the run's wall time from before Ray starts) "
     "and, for Ray Train, the same from its step log (fit's wall time from before its cluster starts). Step time: elastic's "
     "slowest rank's step, capped by the wall time since the step before ended (the step events' kept_s; before 2026-12-04 "
-    "the uncapped step_s, a sum of each step's slowest rank that outgrew the wall time, by 2.5% in make demo); Ray Train's rank 0 around its FSDP step. Time outside steps (checkpoint "
-    "saves, detection, restarts, waiting) is not kept time."
+    "the uncapped step_s, a sum of each step's slowest rank that outgrew the wall time, by 2.5% in make demo); Ray Train's "
+    "rank 0 around its FSDP step. Time outside steps (checkpoint saves, detection, restarts, waiting) is not kept time."
 )
 
 

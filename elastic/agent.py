@@ -223,10 +223,13 @@ class NodeAgent:
         return env
 
     def _start_zygote(self) -> None:
-        """Start the node's rank fork server (CPU ranks only, `elastic.zygote`); without it, ranks start afresh."""
+        """Start the node's rank fork server (CPU ranks only, `elastic.zygote`); without it, ranks start afresh.
+
+        One that fails to start is not tried again: its start may have taken `ZYGOTE_START_S`."""
         try:
             self._zygote = Zygote(self._child_env([]), ZYGOTE_START_S)
         except (OSError, RuntimeError, TimeoutError) as exc:
+            self._zygote = None
             print(f"elastic: rank processes start without a fork server: {exc}", file=sys.stderr, flush=True)
 
     def _read(self, c: _Child) -> None:

@@ -40,14 +40,20 @@ def _stat(pid) -> tuple[str, str, int]:
     return comm, rest[0], int(rest[1])
 
 
-def _rank_processes_of(agent: int) -> list[int]:
-    """The live rank processes an agent started: its children, or its fork server's (`elastic.zygote`)."""
+def _processes() -> dict[int, tuple[str, str, int]]:
+    """{pid: (comm, state, parent pid)} of every process."""
     stats = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             stats[int(entry.name)] = _stat(entry.name)
         except OSError:
             continue
+    return stats
+
+
+def _rank_processes_of(agent: int) -> list[int]:
+    """The live rank processes an agent started: its children, or its fork server's (`elastic.zygote`)."""
+    stats = _processes()
     parents = {agent} | {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == zygote.PROCESS_NAME}
     return [pid for pid, (comm, state, ppid) in stats.items() if ppid in parents and state != "Z" and comm == rank_process.PROCESS_NAME]
 
@@ -129,14 +135,8 @@ def test_rank_processes_run_no_ray_code_and_die_with_their_agent(ray_node):
 
 def _zygote_of(agent: int) -> int | None:
     """The agent's live fork server (`elastic.zygote`), if it has one."""
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            comm, state, ppid = _stat(entry.name)
-        except OSError:
-            continue
-        if ppid == agent and comm == zygote.PROCESS_NAME and state != "Z":
-            return int(entry.name)
-    return None
+    return next((pid for pid, (comm, state, ppid) in _processes().items()
+                 if ppid == agent and comm == zygote.PROCESS_NAME and state != "Z"), None)
 
 
 def test_a_dead_fork_server_is_started_again_for_the_next_ranks(ray_node):
