@@ -52,10 +52,12 @@ def _processes() -> dict[int, tuple[str, str, int]]:
 
 
 def _rank_processes_of(agent: int) -> list[int]:
-    """The live rank processes an agent started: its children, or its fork server's (`elastic.zygote`)."""
+    """The live rank processes an agent started: its children named as ranks, and every child of its fork server
+    (`elastic.zygote`), which forks nothing else; a fork may not have renamed itself yet (a spare is not waited for)."""
     stats = _processes()
-    parents = {agent} | {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == zygote.PROCESS_NAME}
-    return [pid for pid, (comm, state, ppid) in stats.items() if ppid in parents and state != "Z" and comm == rank_process.PROCESS_NAME]
+    zygotes = {pid for pid, (comm, _, ppid) in stats.items() if ppid == agent and comm == zygote.PROCESS_NAME}
+    return [pid for pid, (comm, state, ppid) in stats.items()
+            if state != "Z" and (ppid in zygotes or (ppid == agent and comm == rank_process.PROCESS_NAME))]
 
 
 RAY_CLEANUP_OFF = {"RAY_kill_child_processes_on_worker_exit": "0", "RAY_process_group_cleanup_enabled": "0"}
