@@ -397,18 +397,20 @@ class Trainer:
         pinned host memory on a side stream.
         """
         self._memory_settled()
-        self.memory.keep_two(self.rank, self.spec.generation, step, reuse=self._memory_reuse)
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
-        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, list(self._memory_records)))
+        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, list(self._memory_records),
+                                                               self._memory_reuse))
 
-    def _write_memory(self, step: int, tensors: dict, records: list[dict]) -> None:
-        """On the memory writer's thread: write the pieces, mark them complete, tell the agent (which replicates them)."""
+    def _write_memory(self, step: int, tensors: dict, records: list[dict], reuse: bool) -> None:
+        """On the memory writer's thread: drop the older files, write the pieces, mark them complete, tell the agent
+        (which replicates them). Retention lists the node's directory: a millisecond kept off the training thread."""
         t0 = time.time()
         if self.device.type == "cuda":
             data = storage.snapshot(tensors, pool=self._memory_buffers, layout_cache=self._memory_layout)
         else:
             data = tensors
+        self.memory.keep_two(self.rank, self.spec.generation, step, reuse=reuse)
         rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
                                     layout_cache=self._memory_layout, durable=False)
         self.memory.finish(step, self.rank, self.spec.generation, rows, records)
