@@ -109,7 +109,9 @@ class Controller:
         self.eval_losses: dict[int, float] = {}  # held-out loss after the step count it is keyed by
         self.eval_tallies: dict[int, list] = {}  # step -> [loss sum, batch records] while an evaluation reports
         self.failures: list[dict] = []
-        self.open_failure: dict | None = None
+        # Failures whose recovery has not trained a step yet: one detected while an earlier one's recovery was still
+        # under way (a second fault before the first step after a restart) ends its recovery at the same step.
+        self.open_failures: list[dict] = []
         self.finished_ranks: set[int] = set()
         self.waiting_since: float | None = None
         self.max_seen_step = -1
@@ -357,11 +359,11 @@ class Controller:
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
             **({"memory_stall_s": tally.memory_stall} if self.cfg.checkpoint.memory else {}),
         )
-        if self.open_failure is not None:
-            failure = self.open_failure
+        for failure in self.open_failures:
             failure["recover_s"] = now - failure["detected_at"]
-            self.open_failure = None
-            self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step + 1)
+            self.events.emit("recovered", failure=failure["kind"], recover_s=failure["recover_s"], step=step + 1,
+                             detected_at=failure["detected_at"])
+        self.open_failures = []
 
     def _on_eval_record(self, rec: dict, now: float) -> None:
         """One data slice's loss sum over one eval batch; the eval event once every slice of every batch reported."""
@@ -471,7 +473,10 @@ class Controller:
         now = self.clock()
         for due in [t for t in self.node_returns if t <= now]:
             self.node_returns.remove(due)
-            self.events.emit("node_added", node=self.cluster.add_node())  # must run on this thread (Ray's signal hooks)
+            # On this thread: a Ray node registers a SIGTERM handler, which only the main thread may. It blocks the
+            # controller for the node's start (1 s here, several on a loaded machine): a failure meanwhile is
+            # detected that much later. Only the embedded cluster's returning nodes (node faults with back=) do this.
+            self.events.emit("node_added", node=self.cluster.add_node())
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
@@ -601,7 +606,7 @@ class Controller:
             del self.losses[step]
         for step in [s for s in self.eval_losses if s > start]:  # an evaluation after k steps is part of checkpoint k
             del self.eval_losses[step]
-        self.open_failure = record
+        self.open_failures.append(record)
         self.events.emit("recovering", resume_step=resume, restored_from=point.tier, lost_steps=record["lost_steps"],
                          reason=decision.reason, workers_kept=kept,
                          **({"steps_filled_from_memory": self.completed_step - known} if self.completed_step > known else {}))

@@ -15,7 +15,8 @@ import storage
 from elastic.config import load_config
 from elastic.controller import Controller, State
 from elastic.data import DataInfo, GlobalSampler
-from elastic.events import EventLog
+from elastic.commands.report import analyse, report_from_events
+from elastic.events import EventLog, read_events
 from elastic.faults import Fault, parse_faults
 from elastic.messages import RankState, RankStatus, StackDump
 from elastic.report import build_report
@@ -200,6 +201,29 @@ def test_dead_rank_recovers_from_last_commit(tmp_path):
     assert failure["detected_as"] == "rank_died" and failure["rank"] == 2 and failure["culprit"] == 2
     assert failure["resume_step"] == 4 and failure["lost_steps"] == 2 and failure["recover_s"] > 0
     assert group.starts == [(4, None), (4, 4)]
+    _ledger_clean(ctrl)
+
+
+def test_a_failure_before_the_first_step_of_a_recovery_ends_both_recoveries_at_that_step(tmp_path):
+    # Rank 2 dies before step 7; the job restarts from checkpoint 4, and rank 1 dies before the restart's first
+    # step. Both failures are recovered by the first step that completes after them: each gets its recover_s, from
+    # its own detection, and a `recovered` event naming it; the report's recovery time counts that stretch once.
+    ctrl, group, _ = _setup(tmp_path)
+    group.kill_rank_at[6] = 2
+    while not ctrl.failures:
+        ctrl.step()
+    group.kill_rank_at[4] = 1
+    assert _run(ctrl)[-1] is State.FINISHED
+    first, second = ctrl.failures
+    assert first["recover_s"] > second["recover_s"] > 0
+    recovered = ctrl.events.of("recovered")
+    assert [e["detected_at"] for e in recovered] == [first["detected_at"], second["detected_at"]]
+    assert [e["step"] for e in recovered] == [5, 5] and [e["recover_s"] for e in recovered] == [first["recover_s"], second["recover_s"]]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [f["recover_s"] for f in report_from_events(events)["failures"]] == [first["recover_s"], second["recover_s"]]
+    run = analyse(report_from_events(events), events)
+    first_step = next(e["step_s"] for e in events if e["event"] == "step" and e["step"] == 5 and e["generation"] == 3)
+    assert run.breakdown["recovery"] == pytest.approx(first["recover_s"] - first_step)  # not the sum of both
     _ledger_clean(ctrl)
 
 

@@ -106,15 +106,22 @@ def report_from_events(events: list[dict]) -> dict:
     steps = sorted(kept)
     generations = [e for e in events if e["event"] == "generation_start"]
     recovering = [e for e in events if e["event"] == "recovering"]
+    detections = [e for e in events if e["event"] == "failure_detected"]
     failures = []
-    for i, e in enumerate(e for e in events if e["event"] == "failure_detected"):
+    for i, e in enumerate(detections):
         fields = {k: e.get(k) for k in ("kind", "detected_as", "rank", "node", "culprit", "step", "fault_id", "detect_s")}
         recovery = recovering[i] if i < len(recovering) else {}
         fields.update(recover_s=None, lost_steps=recovery.get("lost_steps"), resume_step=recovery.get("resume_step"),
                       restored_from=recovery.get("restored_from"), error=e.get("detail", ""))
         failures.append(fields)
-    for f, e in zip(failures, (e for e in events if e["event"] == "recovered")):
-        f["recover_s"] = e.get("recover_s")
+    recovered = [e for e in events if e["event"] == "recovered"]
+    if all("detected_at" in e for e in recovered):  # each names the failure it ends: one may end several
+        by_detection = {e["detected_at"]: e.get("recover_s") for e in recovered}
+        for f, e in zip(failures, detections):
+            f["recover_s"] = by_detection.get(e.get("detected_at"))
+    else:  # an older log: one recovered event per failure, in order
+        for f, e in zip(failures, recovered):
+            f["recover_s"] = e.get("recover_s")
     ended = [e for e in events if e["event"] == "state" and e.get("state") in ("FINISHED", "FAILED")]
     committed = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
     wall = events[-1]["t"] - events[0]["t"] + float(start.get("cluster_s") or 0.0)
@@ -276,14 +283,22 @@ def _stall_in_steps(events: list[dict], kept: dict[int, dict]) -> float:
 
 
 def _recovery_s(events: list[dict]) -> float:
-    """The controller's `recover_s` (detection to the first completed step) less that first step, which counts as training."""
-    total, last_step = 0.0, {}
+    """The controller's `recover_s` (detection to the first completed step) less that first step, which counts as training.
+
+    Failures whose recoveries end at the same step (one came while the job was still recovering from another) are
+    one stretch of time: the longest of their `recover_s`, counted once."""
+    last_step: dict[int, float] = {}
+    longest: dict[tuple[int, int], float] = {}  # (generations started, step) -> the longest recovery that step ended
+    generations = 0
     for e in events:
-        if e["event"] == "step":
+        if e["event"] == "generation_start":
+            generations += 1
+        elif e["event"] == "step":
             last_step[e["step"]] = e["step_s"]
         elif e["event"] == "recovered":
-            total += max(0.0, (e.get("recover_s") or 0.0) - last_step.get(e.get("step"), 0.0))
-    return total
+            key = (generations, e.get("step"))
+            longest[key] = max(longest.get(key, 0.0), (e.get("recover_s") or 0.0) - last_step.get(e.get("step"), 0.0))
+    return sum(max(0.0, s) for s in longest.values())
 
 
 def _first_step_start(events: list[dict], after: float) -> float | None:
