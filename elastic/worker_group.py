@@ -82,6 +82,7 @@ class RayWorkerGroup:
     replica_secret: str = field(default_factory=lambda: secrets.token_hex(SECRET_BYTES))  # opens the agents' replication links
     memory_staged: dict[str, dict] = field(default_factory=dict)  # the last start's memory restore, per node (agent.memory_stage)
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
+    _retiring: list[tuple[object, object]] = field(default_factory=list)  # (agent, its shutdown's ref) of nodes that left
 
     # -- capacity ----------------------------------------------------------------
     def _slots(self, resources: dict) -> int:
@@ -96,6 +97,11 @@ class RayWorkerGroup:
         nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.excluded_nodes]
         out = [(n["NodeID"], self._slots(n["Resources"])) for n in nodes]
         return sorted((n, s) for n, s in out if s > 0)
+
+    @staticmethod
+    def _alive() -> set[str]:
+        """The nodes that are up, excluded ones too (an excluded node gets no ranks, but its memory is still good)."""
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
     def capacity(self) -> int:
         return sum(s for _, s in self.node_slots())
@@ -138,8 +144,14 @@ class RayWorkerGroup:
             placement += [node_id] * slots
         if len(placement) < layout.world_size:
             raise StartError(f"need {layout.world_size} worker slots, the cluster has {len(placement)}")
-        for node_id in [n for n in self.agents if n not in dict(nodes)]:  # excluded or gone: its agent and ranks go
-            self._kill(self.agents.pop(node_id))
+        # An excluded node (its ranks hung) that is up and holds files of the memory step being restored keeps its
+        # agent, without rank processes, to serve them: the new ranks read them after this start. Any other agent
+        # of a node that is excluded or gone goes, with its ranks.
+        alive = self._alive()
+        holders = set(memory_restore["holders"].values()) & alive if memory_restore else set()
+        for node_id in [n for n in self.agents if n not in dict(nodes) and n not in holders]:
+            self._retire(self.agents.pop(node_id), node_up=node_id in alive)
+        serving = {n: self.agents[n] for n in holders if n not in dict(nodes)}
         self.members = [Member(rank, placement[rank]) for rank in range(layout.world_size)]
         self.generation, self._pending = specs[0]["generation"], {}
         by_node = self._by_node()
@@ -149,6 +161,7 @@ class RayWorkerGroup:
         # A rank process that cannot start (import error, no such device) fails here with its own error; the
         # controller then shuts the group down (every agent) and asks its failure policy.
         calls = {n: a.prepare.remote(len(by_node.get(n, [])), keep_idle, timeout, with_spares and keep_idle > 0) for n, a in agents.items()}
+        calls |= {n: a.prepare.remote(0, 0, timeout) for n, a in serving.items()}  # no rank processes left there
         calls |= self._memory_calls(by_node, agents, memory_restore)
         answers, failed = self._gather(calls, timeout + 10)
         self.memory_staged = {n.removeprefix("stage "): a for n, a in answers.items() if n.startswith("stage ")}
@@ -183,10 +196,11 @@ class RayWorkerGroup:
         return calls
 
     def memory_inventory(self) -> dict[str, dict]:
-        """The memory inventory ({(generation, step): {rank: rows}}) of each usable node's agent; a node that is gone, or
-        whose agent does not answer, holds nothing (a lost node's agent can outlive its node for a moment)."""
-        usable = dict(self.node_slots())
-        answers, _ = self._gather({n: a.memory_inventory.remote() for n, a in self.agents.items() if n in usable}, CALL_TIMEOUT_S)
+        """The memory inventory ({(generation, step): {rank: rows}}) of each agent whose node is up, excluded or not; a
+        node that is gone, or whose agent does not answer, holds nothing (a lost node's agent can outlive its node for a
+        moment)."""
+        alive = self._alive()
+        answers, _ = self._gather({n: a.memory_inventory.remote() for n, a in self.agents.items() if n in alive}, CALL_TIMEOUT_S)
         return answers
 
     def memory_records(self, generation: int, step: int, holders: dict[int, str]) -> dict[int, list[dict]]:
@@ -337,12 +351,33 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Kill every rank process, warm ones included, and the agents (the end of the job)."""
-        refs = [a.shutdown.remote() for a in self.agents.values()]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=5.0)
         for agent in self.agents.values():
-            self._kill(agent)
+            self._retire(agent, node_up=True)
+        self._reap_retired(wait_s=5.0)
         self.members, self.agents, self._pending = [], {}, {}
+
+    def _retire(self, agent, node_up: bool) -> None:
+        """An agent whose node left the job: on a node that is up it first shuts down (its rank processes and its
+        node's memory files go, which a kill would leave behind in that node's RAM), without the caller waiting."""
+        if node_up:
+            self._retiring.append((agent, agent.shutdown.remote()))
+        else:
+            self._kill(agent)
+        self._reap_retired()
+
+    def _reap_retired(self, wait_s: float = 0.0) -> None:
+        """Kill the retiring agents whose shutdown is done (all of them once `wait_s` is over, when it is > 0)."""
+        if not self._retiring:
+            return
+        refs = [ref for _, ref in self._retiring]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        left = []
+        for agent, ref in self._retiring:
+            if wait_s > 0 or ref in done:
+                self._kill(agent)
+            else:
+                left.append((agent, ref))
+        self._retiring = left
 
     @staticmethod
     def _kill(agent) -> None:

@@ -375,3 +375,26 @@ def test_a_restore_moves_only_the_bytes_each_node_lacks_of_what_its_ranks_read(t
     assert max(abs(a - b) / abs(b) for a, b in zip(hit["losses"], ref["losses"])) < 1e-5
     got, want = full_tensors(str(tmp_path / "hit" / "ckpt"), 16), full_tensors(str(tmp_path / "ref" / "ckpt"), 16)
     assert got.keys() == want.keys() and max(rel_diff(got[k], want[k]) for k in want) <= 1e-5
+
+
+def test_a_node_excluded_for_its_hangs_still_serves_its_memory_snapshot(tmp_path):
+    # Rank 1 hangs twice on its node, so the failure policy excludes the node (two hangs blamed on it). The node
+    # is up, and with no replicas its agent holds the only copy of ranks 0 and 1's files of the newest memory
+    # step: the second restore reads them from it, into 2 workers on the other node, and loses at most one step
+    # (the durable tier, every 8 steps, would lose 5). The kill that follows restores from the other node alone:
+    # the excluded node's agent then shuts down, taking its files out of that node's memory.
+    sets = {"checkpoint.memory": "true", "checkpoint.memory_replicas": 0, "fault.hang_floor_s": 3.0}
+    cfg = _cfg(tmp_path, "excluded", **sets)
+    report = run_job(cfg, ["hang:rank=1,step=6,where=data", "hang:rank=1,step=13,where=data", "kill:rank=0,step=20"], quiet=True)
+    assert report["state"] == "FINISHED", report["reason"]
+    assert [f["kind"] for f in report["failures"]] == ["hang", "hang", "kill"]
+    excluded = report["failures"][0]["node"]
+    assert report["failures"][1]["node"] == excluded != report["failures"][2]["node"]
+    events = read_events(cfg.run_dir / "events.jsonl")
+    reasons = [e["reason"] for e in events if e["event"] == "recovering"]
+    assert "excluding node" in reasons[1] and "excluding node" not in reasons[0], reasons
+    assert [f["restored_from"] for f in report["failures"]] == ["memory"] * 3, report["failures"]
+    assert all(f["lost_steps"] <= 1 for f in report["failures"]), report["failures"]
+    assert report["world_sizes"] == [4, 4, 2, 2]
+    _clean_ledger(report)
+    assert not any((tmp_path / "node-memory" / "elastic-memory").glob("*/*")), "the job leaves no snapshot behind"
