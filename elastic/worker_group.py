@@ -92,16 +92,18 @@ class RayWorkerGroup:
             slots = min(slots, int(resources.get("GPU", 0) // s.gpus_per_worker))
         return slots
 
-    def node_slots(self) -> list[tuple[str, int]]:
-        """Alive, non-excluded nodes and how many workers each can host, in a stable order."""
-        nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self.excluded_nodes]
+    def node_slots(self, alive: list[dict] | None = None) -> list[tuple[str, int]]:
+        """Alive, non-excluded nodes and how many workers each can host, in a stable order (of `alive`, `_alive()`'s
+        listing, when given)."""
+        nodes = [n for n in (self._alive() if alive is None else alive) if n["NodeID"] not in self.excluded_nodes]
         out = [(n["NodeID"], self._slots(n["Resources"])) for n in nodes]
         return sorted((n, s) for n, s in out if s > 0)
 
     @staticmethod
-    def _alive() -> set[str]:
-        """The nodes that are up, excluded ones too (an excluded node gets no ranks, but its memory is still good)."""
-        return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    def _alive() -> list[dict]:
+        """Ray's records of the nodes that are up, excluded ones too (an excluded node gets no ranks, but its memory
+        is still good)."""
+        return [n for n in ray.nodes() if n["Alive"]]
 
     def capacity(self) -> int:
         return sum(s for _, s in self.node_slots())
@@ -138,7 +140,9 @@ class RayWorkerGroup:
         processes come up). With the memory tier on, each node that gets ranks
         replicates to the next one (a ring).
         """
-        nodes = self.node_slots()
+        up = self._alive()
+        nodes = self.node_slots(up)
+        placeable, alive = dict(nodes), {n["NodeID"] for n in up}
         placement: list[str] = []
         for node_id, slots in nodes:
             placement += [node_id] * slots
@@ -147,11 +151,11 @@ class RayWorkerGroup:
         # An excluded node (its ranks hung) that is up and holds files of the memory step being restored keeps its
         # agent, without rank processes, to serve them: the new ranks read them after this start. Any other agent
         # of a node that is excluded or gone goes, with its ranks.
-        alive = self._alive()
         holders = set(memory_restore["holders"].values()) & alive if memory_restore else set()
-        for node_id in [n for n in self.agents if n not in dict(nodes) and n not in holders]:
+        for node_id in [n for n in self.agents if n not in placeable and n not in holders]:
             self._retire(self.agents.pop(node_id), node_up=node_id in alive)
-        serving = {n: self.agents[n] for n in holders if n not in dict(nodes)}
+        self._reap_retired()
+        serving = {n: self.agents[n] for n in holders if n not in placeable}
         self.members = [Member(rank, placement[rank]) for rank in range(layout.world_size)]
         self.generation, self._pending = specs[0]["generation"], {}
         by_node = self._by_node()
@@ -199,7 +203,7 @@ class RayWorkerGroup:
         """The memory inventory ({(generation, step): {rank: rows}}) of each agent whose node is up, excluded or not; a
         node that is gone, or whose agent does not answer, holds nothing (a lost node's agent can outlive its node for a
         moment)."""
-        alive = self._alive()
+        alive = {n["NodeID"] for n in self._alive()}
         answers, _ = self._gather({n: a.memory_inventory.remote() for n, a in self.agents.items() if n in alive}, CALL_TIMEOUT_S)
         return answers
 
@@ -306,7 +310,7 @@ class RayWorkerGroup:
         return self.members[rank].node_id if rank < len(self.members) else None
 
     def node_alive(self, node_id: str) -> bool:
-        return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+        return any(n["NodeID"] == node_id for n in self._alive())
 
     def _spares_wanted(self) -> bool:
         """A GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
@@ -363,7 +367,6 @@ class RayWorkerGroup:
             self._retiring.append((agent, agent.shutdown.remote()))
         else:
             self._kill(agent)
-        self._reap_retired()
 
     def _reap_retired(self, wait_s: float = 0.0) -> None:
         """Kill the retiring agents whose shutdown is done (all of them once `wait_s` is over, when it is > 0)."""

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import storage
+from elastic.commands.report import analyse, report_from_events
 from elastic.config import load_config
 from elastic.controller import Controller, State
 from elastic.data import DataInfo, GlobalSampler
-from elastic.commands.report import analyse, report_from_events
 from elastic.events import EventLog, read_events
 from elastic.faults import Fault, parse_faults
 from elastic.messages import RankState, RankStatus, StackDump
