@@ -251,7 +251,7 @@ class NodeAgent:
                     if first_step:
                         c.stepped_gen = message.generation
                 for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
-                    if self._peer is not None:
+                    if self._replicas:  # `_replicate` answers the rank also when no peer holds replicas (any more)
                         self._replicator.submit(self._replicate, c, message.generation, rec)
                     else:
                         self._pass_on(c, message.generation, rec, replicated=False)
@@ -471,9 +471,12 @@ class NodeAgent:
         step, rank = rec["step"], rec["rank"]
         error = None
         try:
+            peer = self._peer
+            if peer is None:
+                raise ConnectionError("no node holds this node's replicas (a one-node ring, or its peer left it)")
             body = self._memory.rows_body(step, rank, generation)
             path = self._memory.data_path(step, rank, generation) if rec["has_file"] else None
-            self._peer.send(path, step, rank, generation, body)
+            peer.send(path, step, rank, generation, body)
         except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
         try:

@@ -301,8 +301,19 @@ class MemoryTier:
         self._replicated = False
         self._origin: tuple[int, int] | None = None
 
-    def begin_generation(self, generation: int, layout: dict, world_size: int, replicated: bool, origin: tuple[int, int] | None = None) -> None:
-        """A new generation; `origin` is the (generation, step) of the memory snapshot it was restored from, if it was."""
+    def begin_generation(self, generation: int, layout: dict, world_size: int, replicated: bool, origin: tuple[int, int] | None = None,
+                         resume_step: int | None = None) -> None:
+        """A new generation; `origin` is the (generation, step) of the memory snapshot it was restored from, if it was.
+
+        A generation resumed from the durable checkpoint of step s (`resume_step`)
+        has the generation before's memory snapshot of s as its origin: where
+        that is whole, that generation got to s on the same history (a planned
+        resize stops every rank at s, saves it and restarts there), so it is
+        the same state, and a restore point when the checkpoint of s breaks
+        before the new generation has a snapshot of its own.
+        """
+        if origin is None and resume_step is not None:
+            origin = (self._generation, resume_step)
         self._generation, self._replicated, self._origin = generation, replicated, origin
         self.worlds[generation], self.layouts[generation] = world_size, layout
         self._saved.clear()

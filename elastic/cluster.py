@@ -3,7 +3,9 @@
 The embedded cluster is a `ray.cluster_utils.Cluster`: a head without worker
 slots (it hosts the controller) and simulated nodes, each with room for
 `workers_per_node` workers. Removing one of them is a real node failure:
-its raylet and every worker process on it die.
+its raylet and every worker process on it die. Nodes start on a thread of
+their own (`start_node`), so that a node joining mid-run (a node fault's
+`back=`) never stalls the controller, as a real node's `ray start` would not.
 
 A simulated node's memory is its own directory under the memory tier's root
 (`elastic.memory`): removing the node deletes it, as losing a machine loses
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 
@@ -118,6 +121,10 @@ class EmbeddedCluster:
         self.memory_root = memory_root(memory_dir)
         self.gpus_per_node = gpus_per_node
         self.nodes = {}  # the removable nodes; the head is never one of them
+        # Their daemons die with this thread (Ray's fate sharing is the kernel's parent-death signal, which follows
+        # the thread that forked them): it lives until `shutdown`.
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-start")
+        self._starting: list[Future] = []
         with batch_what_starts_here():  # Ray's daemons, the workers they fork and this driver's Ray threads (elastic.sched)
             self.cluster = Cluster(
                 initialize_head=True,
@@ -130,14 +137,40 @@ class EmbeddedCluster:
                     "_system_config": EMBEDDED_SYSTEM_CONFIG,
                 },
             )
-            for _ in range(0 if workers_on_head else nodes):
-                self.add_node()
             ray.init(address=self.cluster.address, logging_level="ERROR", log_to_driver=False)
+        for _ in range(0 if workers_on_head else nodes):
+            self.start_node()
+        self.joined(wait=True)
         self.cluster.wait_for_nodes()
 
-    def add_node(self) -> str:
+    def start_node(self) -> None:
+        """Start a simulated node in the background; `joined` hands out its id once it is up."""
+        self._starting.append(self._starter.submit(self._new_node))
+
+    def joined(self, wait: bool = False) -> list[str]:
+        """The nodes started since the last call that are up now (with `wait`, once every one is); a start that
+        failed raises here."""
+        done = [f for f in self._starting if wait or f.done()]
+        self._starting = [f for f in self._starting if f not in done]
+        return [f.result() for f in done]
+
+    def _new_node(self) -> str:
+        """What `Cluster.add_node` does for a worker node, without its exit hooks: those register a SIGTERM handler,
+        which only the main thread may. The node's daemons still die with this process (the parent-death signal),
+        and `shutdown` removes them."""
+        from ray._private.node import Node
+        from ray._private.parameter import RayParams
+
+        params = RayParams(
+            num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, object_store_memory=150 << 20,
+            min_worker_port=0, max_worker_port=0, node_manager_port=0, include_log_monitor=False,
+            redis_address=self.cluster.redis_address, gcs_address=self.cluster.gcs_address,
+        )
+        params.dashboard_agent_listen_port = None  # a free one: the head's agent has the default
         with batch_what_starts_here():
-            node = self.cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node)
+            node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
+        self.cluster.worker_nodes.add(node)
+        self.cluster._wait_for_node(node)
         self.nodes[node.node_id] = node
         return node.node_id
 
@@ -148,6 +181,7 @@ class EmbeddedCluster:
 
     def shutdown(self) -> None:
         ray.shutdown()
+        self._starter.shutdown(wait=True)  # a node still starting is up, and in the cluster, before it goes
         self.cluster.shutdown()
         _restore_auth(self._auth_before)
 

@@ -218,7 +218,7 @@ class Controller:
             self.events.emit("memory_restored", step=self.resume_step, nodes=len(staged),
                              stage_s=max((s["stage_s"] for s in staged), default=0.0), held_bytes=max((s["held_bytes"] for s in staged), default=0))
         if self.generation == 1:
-            self._replenish()  # the nodes without ranks; those with ranks started theirs alongside them
+            self.group.replenish()  # the nodes without ranks (those with ranks started theirs alongside them); not waited for
         self.tallies.clear()
         self.eval_tallies.clear()
         self.spares_requested = self.generation == 1  # else once this generation has trained a step (see replenish)
@@ -226,10 +226,10 @@ class Controller:
         self.last_polls = {}
         self.max_seen_step = self.resume_step or 0
         self.checkpoints.begin_generation()
-        nodes = {self.group.node_of(r) for r in range(self.layout.world_size)}
         origin = (self.memory_restore["generation"], self.resume_step) if self.resume_tier == "memory" else None
+        replicated = bool(self.cfg.checkpoint.memory_replicas) and len(self.group.replica_ring) > 1
         self.checkpoints.memory.begin_generation(self.generation, self.layout.as_dict(), self.layout.world_size,
-                                                 replicated=bool(self.cfg.checkpoint.memory_replicas) and len(nodes) > 1, origin=origin)
+                                                 replicated=replicated, origin=origin, resume_step=self.resume_step)
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
         self.grow_seen_at = None
@@ -287,7 +287,11 @@ class Controller:
         if self.state is State.RUNNING and now >= self.next_grow_check:
             self.next_grow_check = now + 1.0
             self._maybe_grow()
+            self._warn_spares()
         phases = {p.phase for p in self.last_polls.values()}
+        polls = self.last_polls.values()
+        if len(polls) == self.layout.world_size and all(p.generation == self.generation and p.phase not in ("start", "load") for p in polls):
+            self.watchdog.entered_loop(now)  # start-up is over: the first step has a step's deadline
         if self.watchdog.expired(now, "save" if "save" in phases else "step"):
             self._on_hang(now)
 
@@ -353,7 +357,7 @@ class Controller:
         self.watchdog.observe_step(duration, now)
         if not self.spares_requested:
             self.spares_requested = True
-            self._replenish()
+            self.group.replenish()  # not waited for: `_warn_spares` reports a node that could not start one
         self.events.emit(
             "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, kept_s=kept,
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
@@ -473,10 +477,10 @@ class Controller:
         now = self.clock()
         for due in [t for t in self.node_returns if t <= now]:
             self.node_returns.remove(due)
-            # On this thread: a Ray node registers a SIGTERM handler, which only the main thread may. It blocks the
-            # controller for the node's start (1 s here, several on a loaded machine): a failure meanwhile is
-            # detected that much later. Only the embedded cluster's returning nodes (node faults with back=) do this.
-            self.events.emit("node_added", node=self.cluster.add_node())
+            self.cluster.start_node()  # in the background: a failure meanwhile is still seen at once
+        if self.cluster is not None:
+            for node in self.cluster.joined():
+                self.events.emit("node_added", node=node)
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
@@ -492,13 +496,16 @@ class Controller:
                 self.events.emit("fault_injected", fault_id=fault.id, kind="corrupt", rank=None, step=fault.step, node=None,
                                  t_fault=self.fired[fault.id], target=target, where=fault.where)
 
-    def _matching_fault(self) -> dict | None:
-        """The most recent injected fault not yet matched to a detection: the one a new failure detects."""
-        claimed = {f.get("fault_id") for f in self.failures}
-        for e in reversed(self.events.of("fault_injected")):
-            if e["fault_id"] not in claimed and e["kind"] != "corrupt":
-                return e
-        return None
+    def _matching_faults(self, failure: Failure) -> list[dict]:
+        """The injected faults a new failure detects, not yet matched to one: its own first (the newest that hit its
+        culprit, else the newest), then the others. Every fault that has fired is over once this recovery is, so two
+        that fire together (two ranks killed at once, whose deaths one poll may see apart) end in one failure."""
+        claimed = {i for f in self.failures for i in f["fault_ids"]}
+        open_faults = [e for e in self.events.of("fault_injected") if e["fault_id"] not in claimed and e["kind"] != "corrupt"]
+        if not open_faults:
+            return []
+        own = next((e for e in reversed(open_faults) if e["rank"] == failure.culprit), open_faults[-1])
+        return [own] + [e for e in open_faults if e is not own]
 
     # -- failures ------------------------------------------------------------------------
     def _on_hang(self, now: float) -> None:
@@ -545,12 +552,13 @@ class Controller:
                     self._on_step_record(rank, rec, now)
         return self.completed_step >= upto - 1
 
-    def _replenish(self) -> None:
-        for node, error in self.group.replenish().items():  # the job goes on: a rank lost there starts cold
+    def _warn_spares(self) -> None:
+        for node, error in self.group.spare_errors().items():  # the job goes on: a rank lost there starts cold
             self.events.emit("warning", kind="spare_failed", node=node, message=f"no warm spare on node {node}: {error}")
 
     def _on_failure(self, failure: Failure, now: float) -> None:
-        fault = self._matching_fault()
+        faults = self._matching_faults(failure)
+        fault = faults[0] if faults else None
         record = {
             "kind": fault["kind"] if fault else failure.kind,
             "detected_as": failure.kind,
@@ -561,6 +569,7 @@ class Controller:
             # (its poll, or the fault's signal) may be ahead of it.
             "step": max(failure.step, self.max_seen_step, (fault.get("at_step") if fault else None) or 0),
             "fault_id": fault["fault_id"] if fault else None,
+            "fault_ids": [e["fault_id"] for e in faults],
             "detected_at": now,
             "detect_s": (now - fault["t_fault"]) if fault else None,
             "fault_step": fault.get("at_step") if fault else None,  # steps the faulty rank had completed

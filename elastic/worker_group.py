@@ -48,7 +48,9 @@ at most this much later."""
 CALL_TIMEOUT_S = COMMAND_TIMEOUT_S + 10.0
 """The deadline of an agent call that waits on its ranks only for a quick command (start, stop after a step)."""
 SPARE_TIMEOUT_S = 5.0
-"""The deadline of starting a spare (a fork, not waited for): the controller's loop waits for it."""
+"""The deadline of starting a spare (a fork, not waited for the imports); the controller's loop does not wait for it."""
+REPLICA_HOST_TIMEOUT_S = 5.0
+"""How long a node that holds memory replicas but no ranks may leave a call unanswered before it leaves the ring."""
 
 
 class StartError(RuntimeError):
@@ -81,6 +83,9 @@ class RayWorkerGroup:
     memory_job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names this job's memory directories
     replica_secret: str = field(default_factory=lambda: secrets.token_hex(SECRET_BYTES))  # opens the agents' replication links
     memory_staged: dict[str, dict] = field(default_factory=dict)  # the last start's memory restore, per node (agent.memory_stage)
+    replica_ring: list[str] = field(default_factory=list)  # the nodes whose agents pass memory replicas on, each to the next
+    _spares: dict[str, tuple[object, float]] = field(default_factory=dict)  # a node's spare call in flight, and when it went
+    _host_call: tuple[object, float] | None = None  # the last call to the ring's node without ranks, and when it went
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
     _retiring: list[tuple[object, object]] = field(default_factory=list)  # (agent, its shutdown's ref) of nodes that left
 
@@ -138,7 +143,8 @@ class RayWorkerGroup:
         memory step the ranks resume from, which every node that gets ranks
         first gathers from the nodes that hold its files (while its rank
         processes come up). With the memory tier on, each node that gets ranks
-        replicates to the next one (a ring).
+        replicates to the next one (a ring); a job whose ranks all fit on one
+        node keeps its replicas on another node that is up (`_replica_host`).
         """
         up = self._alive()
         nodes = self.node_slots(up)
@@ -148,17 +154,21 @@ class RayWorkerGroup:
             placement += [node_id] * slots
         if len(placement) < layout.world_size:
             raise StartError(f"need {layout.world_size} worker slots, the cluster has {len(placement)}")
-        # An excluded node (its ranks hung) that is up and holds files of the memory step being restored keeps its
-        # agent, without rank processes, to serve them: the new ranks read them after this start. Any other agent
-        # of a node that is excluded or gone goes, with its ranks.
-        holders = set(memory_restore["holders"].values()) & alive if memory_restore else set()
-        for node_id in [n for n in self.agents if n not in placeable and n not in holders]:
-            self._retire(self.agents.pop(node_id), node_up=node_id in alive)
-        self._reap_retired()
-        serving = {n: self.agents[n] for n in holders if n not in placeable}
+        # An excluded node (its ranks hung) that is up keeps its agent, without rank processes, where it holds files
+        # of the memory step being restored (the new ranks read them after this start) or is to hold the replicas
+        # of a job left on one node (`_replica_host`). Any other agent of a node that is excluded or gone goes,
+        # with its ranks.
         self.members = [Member(rank, placement[rank]) for rank in range(layout.world_size)]
         self.generation, self._pending = specs[0]["generation"], {}
         by_node = self._by_node()
+        holders = set(memory_restore["holders"].values()) & alive if memory_restore else set()
+        host = self._replica_host(by_node, placeable, alive)
+        self.replica_ring = sorted(by_node) + ([host] if host else []) if self.cfg.checkpoint.memory else []
+        self._host_call = None
+        for node_id in [n for n in self.agents if n not in placeable and n not in holders and n != host]:
+            self._retire(self.agents.pop(node_id), node_up=node_id in alive)
+        self._reap_retired()
+        serving = {n: self.agents[n] for n in holders | ({host} if host else set()) if n not in placeable}
         keep_idle = 1 if self._spares_wanted() else 0  # warm processes this layout has no slot for: one per node stays
         timeout = self.cfg.fault.startup_timeout_s
         agents = {node_id: self._agent(node_id, slots) for node_id, slots in nodes if node_id in by_node or node_id in self.agents}
@@ -182,19 +192,30 @@ class RayWorkerGroup:
             for m in self.members:
                 m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown
 
+    def _replica_host(self, by_node: dict[str, list[Member]], placeable: dict[str, int], alive: set[str]) -> str | None:
+        """Where a job whose ranks are all on one node keeps its memory replicas: another node that is up and has an
+        agent already (none is started for it on the recovery path), one that can take ranks before one excluded for
+        its hangs (its agent and memory still serve). None: the ranks span nodes (they replicate to each other), or
+        no such node is up."""
+        if not (self.cfg.checkpoint.memory and self.cfg.checkpoint.memory_replicas) or len(by_node) != 1:
+            return None
+        others = [n for n in self.agents if n in alive and n not in by_node]
+        return min(others, key=lambda n: (n not in placeable, n), default=None)
+
     def _memory_calls(self, by_node: dict[str, list[Member]], agents: dict, restore: dict | None) -> dict[str, object]:
-        """The memory tier's part of a start: each node's replica peer (the next node with ranks), and the restore's staging."""
+        """The memory tier's part of a start: each node's replica peer (the next in `replica_ring`), and the restore's
+        staging on the nodes that get ranks."""
         if not self.cfg.checkpoint.memory:
             return {}
-        ring = sorted(by_node)
-        calls = {f"peer {n}": agents[n].set_peer.remote(agents[ring[(i + 1) % len(ring)]] if len(ring) > 1 else None)
+        ring = self.replica_ring
+        calls = {f"peer {n}": self.agents[n].set_peer.remote(self.agents[ring[(i + 1) % len(ring)]] if len(ring) > 1 else None)
                  for i, n in enumerate(ring)}
         if restore is not None:
             gone = sorted({node for node in restore["holders"].values() if node not in self.agents})
             if gone:
                 raise StartError(f"the memory snapshot of step {restore['step']} is held on nodes that are gone: {gone}")
             sources = {rank: self.agents[node] for rank, node in restore["holders"].items()}
-            for n in ring:
+            for n in sorted(by_node):
                 calls[f"stage {n}"] = agents[n].memory_stage.remote(
                     restore["step"], restore["generation"], restore["rows"], sources, restore["layout"], restore["train_state"])
         return calls
@@ -224,9 +245,9 @@ class RayWorkerGroup:
         return bad
 
     def replica_holder(self, node_id: str) -> str | None:
-        """The node that holds `node_id`'s memory replicas this generation (the next node with ranks), or None."""
-        ring = sorted(self._by_node())
-        if not self.cfg.checkpoint.memory or not self.cfg.checkpoint.memory_replicas or len(ring) < 2 or node_id not in ring:
+        """The node that holds `node_id`'s memory replicas this generation (the next in `replica_ring`), or None."""
+        ring = self.replica_ring
+        if not self.cfg.checkpoint.memory_replicas or len(ring) < 2 or node_id not in ring:
             return None
         return ring[(ring.index(node_id) + 1) % len(ring)]
 
@@ -246,6 +267,7 @@ class RayWorkerGroup:
         within moments, so detection does not depend on the poll rate.
         """
         by_node = self._by_node()
+        self._tend_replica_host(by_node)
         for node_id in by_node:
             if node_id not in self._pending:
                 self._pending[node_id] = self.agents[node_id].poll.remote(self.generation, LONG_POLL_S, self.memory_floor)
@@ -267,6 +289,30 @@ class RayWorkerGroup:
             if any(not s.alive for s in results.values()):
                 break
         return [results[m.rank] for m in self.members if m.rank in results]
+
+    def _tend_replica_host(self, by_node: dict[str, list[Member]]) -> None:
+        """The ring's node without ranks (`_replica_host`) is not polled. Once per LONG_POLL_S it is sent the memory
+        floor (it drops the older replicas it holds, as polled nodes do); once it has died or left a call unanswered
+        for REPLICA_HOST_TIMEOUT_S, it leaves the ring: the ranks' node stops sending it replicas (a send to a node
+        that is gone can hold the ranks up for `checkpoint.memory_replica_timeout_s` a step), and its steps commit
+        unreplicated (`memory_committed` says so)."""
+        hosts = [n for n in self.replica_ring if n not in by_node]
+        now = time.monotonic()
+        if not hosts or (self._host_call is not None and now < self._host_call[1] + LONG_POLL_S):
+            return
+        if self._host_call is not None:
+            ref, sent = self._host_call
+            if not ray.wait([ref], timeout=0)[0] and now < sent + REPLICA_HOST_TIMEOUT_S:
+                return  # not answered yet: wait, without holding up the poll
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:  # gone, or not answering (GetTimeoutError)
+                self.replica_ring = sorted(by_node)
+                self._host_call = None
+                for node_id in by_node:
+                    self.agents[node_id].set_peer.remote(None)
+                return
+        self._host_call = (self.agents[hosts[0]].poll.remote(self.generation, 0.0, self.memory_floor), now)
 
     @staticmethod
     def _statuses(members: list[Member], ref) -> list[RankStatus]:
@@ -316,19 +362,37 @@ class RayWorkerGroup:
         """A GPU spare would hold a GPU a rank needs, so GPU jobs have none."""
         return self.cfg.scaling.gpus_per_worker == 0
 
-    def replenish(self) -> dict[str, str]:
+    def replenish(self) -> None:
         """Have one warm spare rank process on every usable node that has none (torch and the training code imported).
 
         A rank that dies is then replaced by a process that is already up: the
         next generation starts without paying a cold start. After a failure it
         is called once the new generation is training, so the spares'
-        start-up never delays a restart. Waits for the forks, not for the
-        imports; returns why a node has no spare ({} when all have one).
+        start-up never delays a restart. Not waited for: on a node that just
+        joined, the agent's first spare waits for its fork server to import
+        torch (seconds), and the controller watches the job meanwhile;
+        `spare_errors` says how the calls went.
         """
         if not self._spares_wanted():
+            return
+        for node_id, slots in self.node_slots():
+            if node_id not in self._spares:
+                self._spares[node_id] = (self._agent(node_id, slots).spare.remote(), time.monotonic())
+
+    def spare_errors(self, wait_s: float = 0.0) -> dict[str, str]:
+        """Why a node has no spare, for each `replenish` call that failed, or went unanswered for SPARE_TIMEOUT_S,
+        since the last look ({} when none did); `wait_s`: how long to wait for the calls in flight first (they fork,
+        they do not wait for the imports)."""
+        if not self._spares:
             return {}
-        _, failed = self._gather({n: self._agent(n, slots).spare.remote() for n, slots in self.node_slots()}, SPARE_TIMEOUT_S)
-        return failed
+        refs = [ref for ref, _ in self._spares.values()]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0])
+        now = time.monotonic()
+        late = {n: f"no answer within {SPARE_TIMEOUT_S}s" for n, (ref, sent) in self._spares.items()
+                if ref not in done and now >= sent + SPARE_TIMEOUT_S}
+        _, failed = self._gather({n: ref for n, (ref, _) in self._spares.items() if ref in done}, 0.0)
+        self._spares = {n: call for n, call in self._spares.items() if call[0] not in done and n not in late}
+        return failed | late
 
     def teardown(self, kill_ranks=(), grace_s: float = 0.1) -> int:
         """End the generation, keeping the survivors' processes warm for the next one; returns how many were kept.

@@ -254,25 +254,52 @@ def test_agent_lost_between_prepare_and_start_is_a_start_error(ray_node, store):
         group.shutdown()
 
 
+def test_a_node_holding_replicas_but_no_ranks_leaves_the_ring_once_its_agent_dies(ray_node, store):
+    # A job whose ranks are on one node keeps its memory replicas on another node, which is not polled: the group
+    # sends it the memory floor about once a second, and drops it from the ring when that call fails, so the ranks'
+    # node stops sending it replicas. (This cluster has one node: an agent made here stands in for the other's.)
+    from agent_faults import kill_and_wait_dead
+    from elastic.layout import Layout
+    from elastic.worker_group import LONG_POLL_S
+
+    group = _group(store)
+    try:
+        group.start(Layout(dp_shard=2), _stuck_specs(2))
+        (node,) = group.agents
+        host, _ = _agent(slots=0)
+        group.agents["host"], group.replica_ring = host, [node, "host"]
+        group.poll(0.1)  # sends the floor
+        assert group.replica_holder(node) == "host"
+        kill_and_wait_dead(host)
+        deadline = time.monotonic() + 4 * LONG_POLL_S
+        while group.replica_ring != [node] and time.monotonic() < deadline:
+            group.poll(0.2)
+        assert group.replica_ring == [node] and group.replica_holder(node) is None
+    finally:
+        group.shutdown()
+
+
 def test_calls_to_a_dead_agent_fail_as_unreachable_ranks_not_ray_errors(ray_node, store):
     import ray
 
     from agent_faults import kill_and_wait_dead
     from elastic.layout import Layout
-    from elastic.worker_group import RanksUnreachable
+    from elastic.worker_group import SPARE_TIMEOUT_S, RanksUnreachable
 
     group = _group(store)
     try:
         group.start(Layout(dp_shard=2), _stuck_specs(2))
         (agent,) = group.agents.values()
         agent_pid = ray.get(agent.info.remote())["pid"]
-        assert group.replenish() == {}  # waited for: the spare is there when it returns
+        group.replenish()
+        assert group.spare_errors(wait_s=SPARE_TIMEOUT_S) == {}  # the spare is there once its fork is
         assert len(_rank_processes_of(agent_pid)) == 3
         kill_and_wait_dead(agent)
         with pytest.raises(RanksUnreachable) as lost:
             group.stop_after(5)
         assert lost.value.ranks == [0, 1]
-        (error,) = group.replenish().values()  # reported, not lost
+        group.replenish()
+        (error,) = group.spare_errors(wait_s=SPARE_TIMEOUT_S).values()  # reported, not lost
         assert "died" in error.lower() or "dead" in error.lower()
         assert [s.alive for s in group.poll(1.0)] == [False, False]
         assert group.teardown() == 0 and not group.agents

@@ -1,7 +1,7 @@
 """Chaos: many faults of every kind on a simulated multi-node Ray cluster, with the memory tier on; nothing may be lost.
 
 Every failure restored from memory costs at most one step (`chaos_checks`).
-The short run is in the default suite; the long one (12 seeded random faults) runs with `make chaos`.
+The short run is in the default suite; the long ones (12 seeded random faults each, five seeds) run with `make chaos`.
 """
 
 import pytest
@@ -58,8 +58,13 @@ def test_chaos_short(tmp_path):
     assert tiers[0] == "memory" and tiers[-1] == "durable", tiers
 
 
+# Seed 7 injects every kind; 12, 16, 25 and 34 once failed: detection held up while a node rejoined or spares
+# started, two ranks killed at once counted as one fault, a hang right after a restart given the start-up budget,
+# a resize's snapshot not restorable.
 @pytest.mark.chaos
-def test_chaos_long(tmp_path):
-    report, result = _chaos(tmp_path, steps=160, every=10, inject=["random:count=12,seed=7,steps=6-150,ranks=4"])
-    assert len(result["injected"]) >= 10
-    assert {e["kind"] for e in result["injected"]} == {"kill", "node", "hang", "kill_during_save", "corrupt"}
+@pytest.mark.parametrize("seed", [7, 12, 16, 25, 34])
+def test_chaos_long(tmp_path, seed):
+    report, result = _chaos(tmp_path, steps=160, every=10, inject=[f"random:count=12,seed={seed},steps=6-150,ranks=4"])
+    assert len(result["injected"]) >= 7
+    if seed == 7:
+        assert {e["kind"] for e in result["injected"]} == {"kill", "node", "hang", "kill_during_save", "corrupt"}

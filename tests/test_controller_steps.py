@@ -29,14 +29,16 @@ class ScriptedGroup:
         self.cfg = cfg
         self.cap = capacity
         self.excluded_nodes: set[str] = set()
+        self.replica_ring: list[str] = []  # no memory tier: the scripted ranks write durable checkpoints only
         self.sampler = None  # the ranks' sampler, from the specs of each start
-        self.kill_rank_at: dict[int, int] = {}  # step -> rank that dies before it
+        self.kill_rank_at: dict[int, int | tuple[int, ...]] = {}  # step -> the rank (or ranks) that dies before it
         self.hang_at: int | None = None
         self.layout = None
         self.starts: list[tuple[int, int | None]] = []
         self.stop_at: int | None = None
         self.unreachable_at_stop: list[int] = []  # ranks whose node cannot be told to stop (lost as a resize begins)
-        self.spare_errors: dict[str, str] = {}  # nodes whose agent cannot start a spare, and why
+        self.spare_failures: dict[str, str] = {}  # nodes whose agent cannot start a spare, and why
+        self._spares_asked: dict[str, str] = {}
         # step -> rank that dies once the step is done, before the survivors' records of it reach a poll (`late`:
         # they come with the next poll)
         self.dies_before_survivors_report: dict[int, int] = {}
@@ -61,8 +63,12 @@ class ScriptedGroup:
             raise RanksUnreachable(self.unreachable_at_stop, "ActorDiedError: the actor died unexpectedly")
         self.stop_at = step
 
-    def replenish(self) -> dict[str, str]:
-        return dict(self.spare_errors)
+    def replenish(self) -> None:
+        self._spares_asked = dict(self.spare_failures)
+
+    def spare_errors(self) -> dict[str, str]:
+        errors, self._spares_asked = self._spares_asked, {}
+        return errors
 
     def node_of(self, rank: int) -> str:
         return f"node{rank // 2}"
@@ -91,7 +97,8 @@ class ScriptedGroup:
         base = RankState(self.gen, step, phase, 0.0)
         if step in self.kill_rank_at:
             dead = self.kill_rank_at.pop(step)
-            out = [RankStatus(r, True, base) if r != dead else RankStatus(r, False, error="died") for r in range(world)]
+            dead = set(dead) if isinstance(dead, tuple) else {dead}
+            out = [RankStatus(r, True, base) if r not in dead else RankStatus(r, False, error="died") for r in range(world)]
             self.late = out  # the survivors wait in a collective for the dead rank: no progress until the next start
             return out
         if self.hang_at == step or step >= self.cfg.training.steps or (self.stop_at is not None and step >= self.stop_at):
@@ -186,7 +193,7 @@ def test_kept_time_never_outgrows_the_wall_time_when_each_step_has_another_slowe
 
 def test_a_node_without_a_spare_is_a_warning_not_a_failure(tmp_path):
     ctrl, group, _ = _setup(tmp_path)
-    group.spare_errors = {"node1": "no answer within 5.0s"}
+    group.spare_failures = {"node1": "no answer within 5.0s"}
     assert _run(ctrl)[-1] is State.FINISHED and not ctrl.failures
     (warning,) = ctrl.events.of("warning")  # once: spares are asked for once per generation
     assert warning["kind"] == "spare_failed" and warning["node"] == "node1" and "no answer" in warning["message"]
@@ -372,11 +379,26 @@ class FaultingGroup(ScriptedGroup):
         self.faults = [Fault(**f) for f in specs[0]["faults"] if f["kind"] == "kill"]
 
     def poll(self, timeout_s: float) -> list[RankStatus]:
-        for fault in [f for f in self.faults if f.step == self.step]:
+        due = [f for f in self.faults if f.step == self.step]
+        for fault in due:
             _fault_signal(self.store, fault, self.step)
-            self.kill_rank_at[self.step] = fault.rank
             self.faults.remove(fault)
+        if due:
+            self.kill_rank_at[self.step] = tuple(f.rank for f in due)
         return super().poll(timeout_s)
+
+
+def test_faults_that_kill_two_ranks_at_once_are_one_failure_that_names_both(tmp_path):
+    scripted, _, clock = _setup(tmp_path, **{"training.steps": 16, "checkpoint.every_steps": 8})
+    scripted.checkpoints.close()  # only its config, event log and clock are used
+    store = SignalStore()
+    faults = parse_faults(["kill:rank=1,step=10", "kill:rank=2,step=10"], steps=16, max_world=4)
+    ctrl = Controller(scripted.cfg, FaultingGroup(scripted.cfg, 4, store), scripted.events, faults=faults, fault_store=store, clock=clock)
+    assert _run(ctrl)[-1] is State.FINISHED
+    (failure,) = build_report(ctrl)["failures"]
+    by_rank = {e["rank"]: e["fault_id"] for e in ctrl.events.of("fault_injected")}
+    assert failure["fault_id"] == by_rank[failure["culprit"]]  # its own fault: the one that hit its culprit
+    assert sorted(failure["fault_ids"]) == sorted(by_rank.values()) and failure["fault_ids"][0] == failure["fault_id"]
 
 
 def test_a_fault_injected_at_step_20_is_reported_at_step_20(tmp_path):

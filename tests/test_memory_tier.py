@@ -277,6 +277,23 @@ def test_a_generation_rolled_back_to_the_durable_tier_is_never_restored_from(tmp
     assert (point.step, point.memory["generation"]) == (5, 2)
 
 
+def test_a_generation_resumed_at_a_resize_can_restore_the_snapshot_the_resize_stopped_at(tmp_path):
+    # Generation 1 (2 ranks) wrote step 12 in memory, stopped there for a resize and saved it durably; generation 2
+    # (4 ranks) resumed from that durable checkpoint, and its first snapshot (13) is not whole. Generation 1's step
+    # 12 is the same state: a restore takes it (the durable checkpoint of 12 may be the one that broke). A generation
+    # resumed from a durable step of which the one before has no whole snapshot has no such origin.
+    mem = NodeMemory(tmp_path / "a")
+    tier, _ = _tier(tmp_path)
+    for rank in (0, 1):
+        _write(mem, 12, rank, generation=1)
+    _write(mem, 13, 0, generation=2)
+    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, replicated=True, resume_step=12)
+    point = tier.find(_Agents({"a": mem}), newer_than=10, train_state=lambda s: {"data": {"position": s}})
+    assert (point.step, point.memory["generation"], point.memory["layout"]["dp_shard"]) == (12, 1, 2)
+    tier.begin_generation(3, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, replicated=True, resume_step=10)
+    assert tier.find(_Agents({"a": mem}), newer_than=10, train_state=lambda s: {}) is None
+
+
 def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tmp_path):
     a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
     for rank, own, peer in ((0, a, b), (1, b, a)):
@@ -396,5 +413,27 @@ def test_a_node_excluded_for_its_hangs_still_serves_its_memory_snapshot(tmp_path
     assert [f["restored_from"] for f in report["failures"]] == ["memory"] * 3, report["failures"]
     assert all(f["lost_steps"] <= 1 for f in report["failures"]), report["failures"]
     assert report["world_sizes"] == [4, 4, 2, 2]
+    _clean_ledger(report)
+    assert not any((tmp_path / "node-memory" / "elastic-memory").glob("*/*")), "the job leaves no snapshot behind"
+
+
+def test_a_job_left_on_one_node_keeps_its_replicas_on_another_node_that_is_up(tmp_path):
+    # Two hangs exclude rank 1's node, so the job goes on at 2 workers, all on the other node. That node's snapshots
+    # are replicated to the excluded node, which is up (its agent and memory still serve, only its ranks are gone):
+    # when the job's node is lost too, its newest memory step survives there, and the ranks on the node that comes
+    # back restore it, losing at most one step (the durable tier, every 8 steps, would lose 4).
+    cfg = _cfg(tmp_path, "spare", **{"checkpoint.memory": "true", "fault.hang_floor_s": 3.0})
+    inject = ["hang:rank=1,step=6,where=data", "hang:rank=1,step=13,where=data", "node:rank=0,step=20,back=1"]
+    report = run_job(cfg, inject, quiet=True)
+    assert report["state"] == "FINISHED", report["reason"]
+    assert [f["kind"] for f in report["failures"]] == ["hang", "hang", "node"]
+    excluded = report["failures"][0]["node"]
+    assert report["failures"][1]["node"] == excluded != report["failures"][2]["node"]
+    assert [f["restored_from"] for f in report["failures"]] == ["memory"] * 3, report["failures"]
+    assert all(f["lost_steps"] <= 1 for f in report["failures"]), report["failures"]
+    assert report["world_sizes"] == [4, 4, 2, 2]
+    events = read_events(cfg.run_dir / "events.jsonl")
+    one_node = [e for e in events if e["event"] == "memory_committed" and e["generation"] == 3]
+    assert one_node and all(e["replicated"] for e in one_node), one_node  # the one-node generation's steps had replicas
     _clean_ledger(report)
     assert not any((tmp_path / "node-memory" / "elastic-memory").glob("*/*")), "the job leaves no snapshot behind"

@@ -55,6 +55,22 @@ def test_watchdog_calibrates_after_warmup():
     assert explicit.deadline_s("step") == 2.5
 
 
+def test_watchdog_times_a_restarted_generations_first_step_once_every_rank_is_in_its_loop():
+    wd = HangWatchdog(FaultConfig(hang_factor=5, hang_floor_s=1.0, startup_timeout_s=60))
+    wd.reset(0.0)
+    wd.entered_loop(1.0)
+    assert wd.deadline_s("step") == 60  # the job's first generation: nothing calibrated yet
+    for i in range(6):
+        wd.observe_step(0.5 if i else 0.9, now=2.0 + i)
+    wd.reset(10.0)  # a restart: its ranks start up (cold ones import torch) under the start-up budget
+    assert wd.deadline_s("step") == 60 and not wd.expired(69.0, "step")
+    wd.entered_loop(12.0)
+    assert wd.deadline_s("step") == pytest.approx(4.5)  # 5 x the slowest first step (0.9 s), above 5 x 0.5 s
+    assert not wd.expired(16.4, "step") and wd.expired(16.6, "step")  # a hang in it is caught in seconds
+    wd.entered_loop(15.0)  # once per generation: later polls do not push the deadline back
+    assert wd.expired(16.6, "step")
+
+
 def test_failure_policy_limits_and_excludes():
     policy = FailurePolicy(max_failures=3, exclude_after=2)
     hang = Failure("hang", 1, "nodeA", 1, 10)
