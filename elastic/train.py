@@ -298,12 +298,15 @@ class Trainer:
             if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                 self.evaluate(done, reporter, dp_rank)
             stop_here = self.control.stop_at is not None and done >= self.control.stop_at
-            if self.memory is not None and done % cfg.checkpoint.memory_every_steps == 0 and done < t.steps and not stop_here:
+            # At a planned stop too: the next generation can restore that step from memory should its durable save
+            # break before it has a snapshot of its own (MemoryTier.begin_generation).
+            if self.memory is not None and done < t.steps and (done % cfg.checkpoint.memory_every_steps == 0 or stop_here):
                 self.memory_save(done)
             if done % cfg.checkpoint.every_steps == 0 or done == t.steps or stop_here:
                 # The last save of a run (or before a planned resize) is synchronous: nothing may be lost.
                 self.save(done, background=cfg.checkpoint.async_save and done != t.steps and not stop_here)
             if stop_here:
+                self._memory_settled()
                 self.progress.record("paused", step=done)
                 return False
         self._wait_for_writer()

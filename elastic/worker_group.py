@@ -298,7 +298,7 @@ class RayWorkerGroup:
         unreplicated (`memory_committed` says so)."""
         hosts = [n for n in self.replica_ring if n not in by_node]
         now = time.monotonic()
-        if not hosts or (self._host_call is not None and now < self._host_call[1] + LONG_POLL_S):
+        if not by_node or not hosts or (self._host_call is not None and now < self._host_call[1] + LONG_POLL_S):
             return
         if self._host_call is not None:
             ref, sent = self._host_call
