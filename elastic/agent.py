@@ -166,6 +166,7 @@ class NodeAgent:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
+        self._ranks_await_replicas = False  # this generation's ranks were started with a peer: each snapshot gets an answer
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
         # A restore from memory (memory_stage): where each file of the staged step is, for the ranks' Pulls; one pull
         # at a time, so that two ranks reading the same file fetch it once.
@@ -251,7 +252,7 @@ class NodeAgent:
                     if first_step:
                         c.stepped_gen = message.generation
                 for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
-                    if self._replicas:  # `_replicate` answers the rank also when no peer holds replicas (any more)
+                    if self._ranks_await_replicas:  # `_replicate` answers also once the peer has left the ring
                         self._replicator.submit(self._replicate, c, message.generation, rec)
                     else:
                         self._pass_on(c, message.generation, rec, replicated=False)
@@ -368,7 +369,8 @@ class NodeAgent:
             if len(idle) < len(assignments):
                 raise RuntimeError(f"{len(assignments)} ranks to start and {len(idle)} rank processes ready: one ended since prepare")
             if self._memory is not None:
-                memory = {"memory_dir": self._memory.uri, "memory_replicated": self._peer is not None}
+                self._ranks_await_replicas = self._peer is not None
+                memory = {"memory_dir": self._memory.uri, "memory_replicated": self._ranks_await_replicas}
                 assignments = [(rank, {**spec, **memory}) for rank, spec in assignments]
             pairs = list(zip(_sticky(idle, [rank for rank, _ in assignments]), assignments))
             for c, (rank, spec) in pairs:
@@ -473,7 +475,7 @@ class NodeAgent:
         try:
             peer = self._peer
             if peer is None:
-                raise ConnectionError("no node holds this node's replicas (a one-node ring, or its peer left it)")
+                raise ConnectionError("no node holds this node's replicas any more (its peer left the ring)")
             body = self._memory.rows_body(step, rank, generation)
             path = self._memory.data_path(step, rank, generation) if rec["has_file"] else None
             peer.send(path, step, rank, generation, body)

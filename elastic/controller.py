@@ -288,9 +288,10 @@ class Controller:
             self.next_grow_check = now + 1.0
             self._maybe_grow()
             self._warn_spares()
-        phases = {p.phase for p in self.last_polls.values()}
         polls = self.last_polls.values()
-        if len(polls) == self.layout.world_size and all(p.generation == self.generation and p.phase not in ("start", "load") for p in polls):
+        phases = {p.phase for p in polls}
+        if not self.watchdog.in_loop and len(polls) == self.layout.world_size and \
+                all(p.generation == self.generation and p.phase not in ("start", "load") for p in polls):
             self.watchdog.entered_loop(now)  # start-up is over: the first step has a step's deadline
         if self.watchdog.expired(now, "save" if "save" in phases else "step"):
             self._on_hang(now)

@@ -55,8 +55,8 @@ class HangWatchdog:
         if phase == "save":
             return self.cfg.checkpoint_timeout_s
         if self.steps_seen == 0:
-            if not self.in_loop or (self.slowest == 0.0 and self.cfg.hang_timeout_s <= 0):
-                return self.cfg.startup_timeout_s  # starting, or nothing calibrated yet (the job's first steps)
+            if not self.in_loop or self.slowest_first == 0.0:
+                return self.cfg.startup_timeout_s  # starting up, or the job's first step (compilation, warm-up)
             return max(self._step_deadline(), self.cfg.hang_factor * self.slowest_first)
         return self._step_deadline()
 

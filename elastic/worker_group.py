@@ -48,7 +48,7 @@ at most this much later."""
 CALL_TIMEOUT_S = COMMAND_TIMEOUT_S + 10.0
 """The deadline of an agent call that waits on its ranks only for a quick command (start, stop after a step)."""
 SPARE_TIMEOUT_S = 5.0
-"""The deadline of starting a spare (a fork, not waited for the imports); the controller's loop does not wait for it."""
+"""The deadline of starting a spare (its fork; its imports are not waited for). The controller's loop does not wait for it."""
 REPLICA_HOST_TIMEOUT_S = 5.0
 """How long a node that holds memory replicas but no ranks may leave a call unanswered before it leaves the ring."""
 
