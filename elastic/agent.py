@@ -166,7 +166,8 @@ class NodeAgent:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
-        self._ranks_await_replicas = False  # this generation's ranks were started with a peer: each snapshot gets an answer
+        self._peer_order = 0  # the newest set_peer call's number
+        self._replicating = 0  # snapshots handed to the replicator and not yet answered
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
         # A restore from memory (memory_stage): where each file of the staged step is, for the ranks' Pulls; one pull
         # at a time, so that two ranks reading the same file fetch it once.
@@ -252,10 +253,7 @@ class NodeAgent:
                     if first_step:
                         c.stepped_gen = message.generation
                 for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
-                    if self._ranks_await_replicas:  # `_replicate` answers also once the peer has left the ring
-                        self._replicator.submit(self._replicate, c, message.generation, rec)
-                    else:
-                        self._pass_on(c, message.generation, rec, replicated=False)
+                    self._take_snapshot(c, message.generation, rec)
                 if message.finished or message.error or self._news(records, first_step):
                     self._changed.set()
             elif isinstance(message, Pull):
@@ -369,8 +367,7 @@ class NodeAgent:
             if len(idle) < len(assignments):
                 raise RuntimeError(f"{len(assignments)} ranks to start and {len(idle)} rank processes ready: one ended since prepare")
             if self._memory is not None:
-                self._ranks_await_replicas = self._peer is not None
-                memory = {"memory_dir": self._memory.uri, "memory_replicated": self._ranks_await_replicas}
+                memory = {"memory_dir": self._memory.uri, "memory_replicated": self._replicas}
                 assignments = [(rank, {**spec, **memory}) for rank, spec in assignments]
             pairs = list(zip(_sticky(idle, [rank for rank, _ in assignments]), assignments))
             for c, (rank, spec) in pairs:
@@ -459,34 +456,72 @@ class NodeAgent:
         """Where this node takes its ring predecessor's replicas (None: the job keeps none)."""
         return self._replica_server.address if self._replica_server is not None else None
 
-    def set_peer(self, peer) -> None:
-        """The agent of the node that holds this node's replicas (None: no replicas, a one-node job)."""
+    def peer_address(self) -> tuple[str, int] | None:
+        """Where this node's replicas go (None: to no node)."""
+        peer = self._peer
+        return peer.address if peer is not None else None
+
+    def set_peer(self, peer, order: int) -> None:
+        """The agent of the node that holds this node's replicas (None: none does, a job on one node). `order`: the
+        worker group numbers its calls; one overtaken by a later call (it waited on a peer that was still starting)
+        changes nothing."""
+        with self._lock:
+            if order < self._peer_order:
+                return
+            self._peer_order = order
         address = tuple(ray.get(peer.replica_address.remote(), timeout=COMMAND_TIMEOUT_S)) if peer is not None and self._replicas else None
-        if self._peer is not None and self._peer.address != address:
-            self._peer.close()
-            self._peer = None
-        if address is not None and self._peer is None:
-            self._peer = ReplicaClient(address, self._secret, REPLICA_TIMEOUT_S)
+        with self._lock:
+            if order != self._peer_order:
+                return
+            old = self._peer if self._peer is not None and self._peer.address != address else None
+            if old is not None:
+                self._peer = None
+            if address is not None and self._peer is None:
+                self._peer = ReplicaClient(address, self._secret, REPLICA_TIMEOUT_S)
+        if old is not None:
+            old.close()  # after a send under way on it (which holds the link): not under the agent's lock
+
+    def _take_snapshot(self, c: _Child, generation: int, rec: dict) -> None:
+        """A rank finished a memory snapshot. Where the job keeps replicas, the rank waits for an answer: the replica's,
+        from the replicator (sends go one at a time, in order), or at once while this node has no peer and no send is
+        under way (a job on one node, until a node to hold its replicas has an agent: `RayWorkerGroup._tend_ring`)."""
+        if not self._replicas:
+            self._pass_on(c, generation, rec, replicated=False)
+            return
+        with self._lock:
+            queued = self._peer is not None or self._replicating > 0
+            self._replicating += queued
+        if queued:
+            self._replicator.submit(self._replicate_queued, c, generation, rec)
+        else:
+            self._replicate(c, generation, rec)
+
+    def _replicate_queued(self, c: _Child, generation: int, rec: dict) -> None:
+        try:
+            self._replicate(c, generation, rec)
+        finally:
+            with self._lock:
+                self._replicating -= 1
 
     def _replicate(self, c: _Child, generation: int, rec: dict) -> None:
-        """Copy a rank's finished snapshot to the peer node, tell the rank, then pass the record on."""
+        """Copy a rank's finished snapshot to the peer node, if this node has one now; tell the rank, then pass the
+        record on (replicated or not)."""
         step, rank = rec["step"], rec["rank"]
-        error = None
-        try:
-            peer = self._peer
-            if peer is None:
-                raise ConnectionError("no node holds this node's replicas any more (its peer left the ring)")
-            body = self._memory.rows_body(step, rank, generation)
-            path = self._memory.data_path(step, rank, generation) if rec["has_file"] else None
-            peer.send(path, step, rank, generation, body)
-        except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        peer, error = self._peer, None
+        if peer is not None:
+            try:
+                body = self._memory.rows_body(step, rank, generation)
+                path = self._memory.data_path(step, rank, generation) if rec["has_file"] else None
+                peer.send(path, step, rank, generation, body)
+            except Exception as exc:  # noqa: BLE001 - the peer is gone or slow: this step has no replica
+                error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        replicated = peer is not None and error is None
         try:
             with c.send_lock:
-                c.conn.send(Replicated(generation, step, ok=error is None))  # the rank waits for this, either way
+                c.conn.send(Replicated(generation, step, ok=replicated))  # the rank waits for this, either way
         except (OSError, ValueError):
             pass  # the rank is gone; its replica stays
-        self._pass_on(c, generation, rec, replicated=error is None, error=error)
+        self._pass_on(c, generation, rec, replicated=replicated, error=error)
 
     def _pass_on(self, c: _Child, generation: int, rec: dict, replicated: bool, error: str | None = None) -> None:
         """Queue a snapshot's record for the controller. It does not wake the poll: it travels with the next step

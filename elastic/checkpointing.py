@@ -298,10 +298,9 @@ class MemoryTier:
         self.layouts: dict[int, dict] = {}
         self._saved: dict[int, dict[int, dict]] = {}  # step -> rank -> record
         self._generation = 0
-        self._replicated = False
         self._origin: tuple[int, int] | None = None
 
-    def begin_generation(self, generation: int, layout: dict, world_size: int, replicated: bool, origin: tuple[int, int] | None = None,
+    def begin_generation(self, generation: int, layout: dict, world_size: int, origin: tuple[int, int] | None = None,
                          resume_step: int | None = None) -> None:
         """A new generation; `origin` is the (generation, step) of the memory snapshot it was restored from, if it was.
 
@@ -314,7 +313,7 @@ class MemoryTier:
         """
         if origin is None and resume_step is not None:
             origin = (self._generation, resume_step)
-        self._generation, self._replicated, self._origin = generation, replicated, origin
+        self._generation, self._origin = generation, origin
         self.worlds[generation], self.layouts[generation] = world_size, layout
         self._saved.clear()
         self.committed = None
@@ -329,12 +328,12 @@ class MemoryTier:
         del self._saved[step]
         for older in [s for s in self._saved if s < step]:
             del self._saved[older]  # a step whose records never all came is overtaken
-        unreplicated = sorted(r for r, rec in ranks.items() if not rec.get("replicated"))
+        failed = sorted(r for r, rec in ranks.items() if rec.get("replica_error"))
         self.committed = step
         self.events.emit(
             "memory_committed", step=step, generation=self._generation, bytes=sum(r["bytes"] for r in ranks.values()),
-            replicated=self._replicated and not unreplicated, save_s=max(r["save_s"] for r in ranks.values()),
-            **({"unreplicated_ranks": unreplicated} if self._replicated and unreplicated else {}),
+            replicated=all(rec.get("replicated") for rec in ranks.values()), save_s=max(r["save_s"] for r in ranks.values()),
+            **({"unreplicated_ranks": failed} if failed else {}),
         )
         return step
 

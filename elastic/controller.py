@@ -227,9 +227,8 @@ class Controller:
         self.max_seen_step = self.resume_step or 0
         self.checkpoints.begin_generation()
         origin = (self.memory_restore["generation"], self.resume_step) if self.resume_tier == "memory" else None
-        replicated = bool(self.cfg.checkpoint.memory_replicas) and len(self.group.replica_ring) > 1
         self.checkpoints.memory.begin_generation(self.generation, self.layout.as_dict(), self.layout.world_size,
-                                                 replicated=replicated, origin=origin, resume_step=self.resume_step)
+                                                 origin=origin, resume_step=self.resume_step)
         self.finished_ranks.clear()
         self.completed_step = (self.resume_step or 0) - 1
         self.grow_seen_at = None
@@ -287,7 +286,7 @@ class Controller:
         if self.state is State.RUNNING and now >= self.next_grow_check:
             self.next_grow_check = now + 1.0
             self._maybe_grow()
-            self._warn_spares()
+            self._group_news()
         polls = self.last_polls.values()
         phases = {p.phase for p in polls}
         if not self.watchdog.in_loop and len(polls) == self.layout.world_size and \
@@ -358,7 +357,7 @@ class Controller:
         self.watchdog.observe_step(duration, now)
         if not self.spares_requested:
             self.spares_requested = True
-            self.group.replenish()  # not waited for: `_warn_spares` reports a node that could not start one
+            self.group.replenish()  # not waited for: `_group_news` reports a node that could not start one
         self.events.emit(
             "step", step=step + 1, loss=loss, generation=self.generation, world_size=self.layout.world_size, step_s=duration, kept_s=kept,
             grad_norm=rec["grad_norm"], data_position=self.sampler.cursor(step), data_digest=tally.digest,
@@ -480,8 +479,13 @@ class Controller:
             self.node_returns.remove(due)
             self.cluster.start_node()  # in the background: a failure meanwhile is still seen at once
         if self.cluster is not None:
-            for node in self.cluster.joined():
+            joined = self.cluster.joined()
+            for node in joined:
                 self.events.emit("node_added", node=node)
+            if joined and self.state is State.RUNNING:
+                # Its agent and warm spare now, not at the next generation's first step: a job left on one node keeps
+                # its memory replicas there from then on (RayWorkerGroup._tend_ring), and a grow finds a spare.
+                self.group.replenish()
 
     def _corrupt_newest(self) -> None:
         for fault in self.faults:
@@ -553,9 +557,12 @@ class Controller:
                     self._on_step_record(rank, rec, now)
         return self.completed_step >= upto - 1
 
-    def _warn_spares(self) -> None:
+    def _group_news(self) -> None:
+        """What the worker group did on its own: warm spares that failed, memory replica ring changes."""
         for node, error in self.group.spare_errors().items():  # the job goes on: a rank lost there starts cold
             self.events.emit("warning", kind="spare_failed", node=node, message=f"no warm spare on node {node}: {error}")
+        for change in self.group.ring_changes():
+            self.events.emit("replica_ring", **change)
 
     def _on_failure(self, failure: Failure, now: float) -> None:
         faults = self._matching_faults(failure)

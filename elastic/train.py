@@ -143,7 +143,8 @@ class RankSpec:
     memory_dir: str = ""
     """This node's memory-tier directory (set by the node agent when checkpoint.memory is on)."""
     memory_replicated: bool = False
-    """Whether the agent replicates this rank's memory snapshots to another node (and acknowledges each)."""
+    """Whether the job keeps memory replicas: the agent answers each snapshot once it is replicated to another node,
+    or at once while no node holds this node's replicas (a peer can join mid-generation)."""
 
 
 def _fault_signal(store, fault: Fault, step: int) -> None:

@@ -14,6 +14,7 @@ an agent that dies or does not answer while a generation starts is a
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 import uuid
@@ -26,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.agent import COMMAND_TIMEOUT_S, NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
+from elastic.memory import NodeMemory, memory_root
 from elastic.messages import RankStatus, Reset, StackDump
 from elastic.recipe import working_dir
 from elastic.replica_link import SECRET_BYTES
@@ -65,6 +67,12 @@ class RanksUnreachable(RuntimeError):
         self.ranks = ranks
 
 
+@ray.remote(num_cpus=0, max_retries=0)
+def _drop_job_memory(memory_dir: str, job: str) -> None:
+    """On the node it runs on: remove the job's memory-tier files (an agent that was killed left them there)."""
+    NodeMemory(memory_root(memory_dir) / ray.get_runtime_context().get_node_id() / job).destroy()
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
@@ -86,8 +94,13 @@ class RayWorkerGroup:
     replica_ring: list[str] = field(default_factory=list)  # the nodes whose agents pass memory replicas on, each to the next
     _spares: dict[str, tuple[object, float]] = field(default_factory=dict)  # a node's spare call in flight, and when it went
     _host_call: tuple[object, float] | None = None  # the last call to the ring's node without ranks, and when it went
+    _host_sought: float = 0.0  # when a ring without such a node last looked for one (monotonic)
+    _peer_calls: itertools.count = field(default_factory=lambda: itertools.count(1))  # numbers the agents' set_peer calls
+    _adopting: tuple[str, object] | None = None  # the node about to be that node, and the ranks' node's set_peer call
+    _ring_news: list[dict] = field(default_factory=list)  # changes of the ring mid-generation, for the controller's events
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
     _retiring: list[tuple[object, object]] = field(default_factory=list)  # (agent, its shutdown's ref) of nodes that left
+    _killed_on: set[str] = field(default_factory=set)  # nodes whose agent was killed: its memory files may be left there
 
     # -- capacity ----------------------------------------------------------------
     def _slots(self, resources: dict) -> int:
@@ -164,7 +177,7 @@ class RayWorkerGroup:
         holders = set(memory_restore["holders"].values()) & alive if memory_restore else set()
         host = self._replica_host(by_node, placeable, alive)
         self.replica_ring = sorted(by_node) + ([host] if host else []) if self.cfg.checkpoint.memory else []
-        self._host_call = None
+        self._host_call = self._adopting = None
         for node_id in [n for n in self.agents if n not in placeable and n not in holders and n != host]:
             self._retire(self.agents.pop(node_id), node_up=node_id in alive)
         self._reap_retired()
@@ -208,8 +221,7 @@ class RayWorkerGroup:
         if not self.cfg.checkpoint.memory:
             return {}
         ring = self.replica_ring
-        calls = {f"peer {n}": self.agents[n].set_peer.remote(self.agents[ring[(i + 1) % len(ring)]] if len(ring) > 1 else None)
-                 for i, n in enumerate(ring)}
+        calls = {f"peer {n}": self._set_peer(n, ring[(i + 1) % len(ring)] if len(ring) > 1 else None) for i, n in enumerate(ring)}
         if restore is not None:
             gone = sorted({node for node in restore["holders"].values() if node not in self.agents})
             if gone:
@@ -267,7 +279,7 @@ class RayWorkerGroup:
         within moments, so detection does not depend on the poll rate.
         """
         by_node = self._by_node()
-        self._tend_replica_host(by_node)
+        self._tend_ring(by_node)
         for node_id in by_node:
             if node_id not in self._pending:
                 self._pending[node_id] = self.agents[node_id].poll.remote(self.generation, LONG_POLL_S, self.memory_floor)
@@ -290,15 +302,28 @@ class RayWorkerGroup:
                 break
         return [results[m.rank] for m in self.members if m.rank in results]
 
-    def _tend_replica_host(self, by_node: dict[str, list[Member]]) -> None:
-        """The ring's node without ranks (`_replica_host`) is not polled. Once per LONG_POLL_S it is sent the memory
-        floor (it drops the older replicas it holds, as polled nodes do); once it has died or left a call unanswered
-        for REPLICA_HOST_TIMEOUT_S, it leaves the ring: the ranks' node stops sending it replicas (a send to a node
-        that is gone can hold the ranks up for `checkpoint.memory_replica_timeout_s` a step), and its steps commit
-        unreplicated (`memory_committed` says so)."""
-        hosts = [n for n in self.replica_ring if n not in by_node]
+    def _tend_ring(self, by_node: dict[str, list[Member]]) -> None:
+        """Mid-generation care of the replicas of a job whose ranks are all on one node, about once per LONG_POLL_S.
+
+        A ring without a node to hold them takes one as soon as a node that is
+        up has an agent (`_replica_host`; a warm spare's, on a node that joined
+        or at the job's first start: `replenish`): the ranks' node replicates
+        to it from the next snapshot on, rather than from the next generation's
+        start. That node is not polled: it is sent the memory floor (it drops
+        the older replicas it holds, as polled nodes do); once it has died or
+        left a call unanswered for REPLICA_HOST_TIMEOUT_S, it leaves the ring:
+        the ranks' node stops sending it replicas (a send to a node that is
+        gone can hold the ranks up for `checkpoint.memory_replica_timeout_s` a
+        step), and the steps commit unreplicated (`memory_committed` says so).
+        """
+        if len(by_node) != 1 or not (self.cfg.checkpoint.memory and self.cfg.checkpoint.memory_replicas):
+            return
         now = time.monotonic()
-        if not by_node or not hosts or (self._host_call is not None and now < self._host_call[1] + LONG_POLL_S):
+        hosts = [n for n in self.replica_ring if n not in by_node]
+        if not hosts:
+            self._adopt_host(by_node, now)
+            return
+        if self._host_call is not None and now < self._host_call[1] + LONG_POLL_S:
             return
         if self._host_call is not None:
             ref, sent = self._host_call
@@ -306,13 +331,50 @@ class RayWorkerGroup:
                 return  # not answered yet: wait, without holding up the poll
             try:
                 ray.get(ref, timeout=0)
-            except RayError:  # gone, or not answering (GetTimeoutError)
-                self.replica_ring = sorted(by_node)
-                self._host_call = None
-                for node_id in by_node:
-                    self.agents[node_id].set_peer.remote(None)
+            except RayError as exc:  # gone, or not answering (GetTimeoutError)
+                (node,) = by_node
+                self._set_peer(node, None)
+                self._set_ring(sorted(by_node), f"node {hosts[0]} holding the replicas did not answer: {_one_line(exc)}")
                 return
         self._host_call = (self.agents[hosts[0]].poll.remote(self.generation, 0.0, self.memory_floor), now)
+
+    def _adopt_host(self, by_node: dict[str, list[Member]], now: float) -> None:
+        """Find a host for the ring (`_replica_host`), tell the ranks' node's agent, and take the host into the ring
+        once that agent has its address (the host's agent may still be starting)."""
+        (node,) = by_node
+        if self._adopting is not None:
+            host, ref = self._adopting
+            if not ray.wait([ref], timeout=0)[0]:
+                return
+            self._adopting = None
+            try:
+                ray.get(ref, timeout=0)
+            except RayError:
+                return  # the host went before it answered: look again
+            if host in self.agents:
+                self._set_ring([node, host], f"node {host} holds the replicas from the next snapshot on")
+            return
+        if now < self._host_sought + LONG_POLL_S or all(n in by_node for n in self.agents):
+            return
+        self._host_sought = now
+        up = self._alive()
+        host = self._replica_host(by_node, dict(self.node_slots(up)), {n["NodeID"] for n in up})
+        if host is not None:
+            self._adopting = (host, self._set_peer(node, host))
+
+    def _set_peer(self, node_id: str, peer: str | None):
+        """Tell `node_id`'s agent where its replicas go (the ref of the call)."""
+        return self.agents[node_id].set_peer.remote(self.agents[peer] if peer is not None else None, next(self._peer_calls))
+
+    def _set_ring(self, ring: list[str], reason: str) -> None:
+        """The ring of a job on one node changes mid-generation (its ranks' node first): for the controller's events."""
+        self.replica_ring, self._host_call = ring, None
+        self._ring_news.append({"generation": self.generation, "ring": list(ring), "reason": reason})
+
+    def ring_changes(self) -> list[dict]:
+        """The ring's changes mid-generation since the last call ({generation, ring, reason} each)."""
+        news, self._ring_news = self._ring_news, []
+        return news
 
     @staticmethod
     def _statuses(members: list[Member], ref) -> list[RankStatus]:
@@ -414,15 +476,22 @@ class RayWorkerGroup:
         # its ranks: the next start makes a new one.
         for node_id in failed:
             self._kill(self.agents.pop(node_id))
+            self._killed_on.add(node_id)
         self.members, self._pending = [], {}
         return sum(answers.values())
 
     def shutdown(self) -> None:
-        """Kill every rank process, warm ones included, and the agents (the end of the job)."""
+        """Kill every rank process, warm ones included, and the agents (the end of the job); remove the memory files
+        that killed agents left on nodes that are up (an agent that shuts down removes its own)."""
         for agent in self.agents.values():
             self._retire(agent, node_up=True)
+        orphans = self._killed_on - set(self.agents) if self.cfg.checkpoint.memory else set()
+        drops = [_drop_job_memory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                 .remote(self.cfg.checkpoint.memory_dir, self.memory_job) for n in self._alive() if n["NodeID"] in orphans]
         self._reap_retired(wait_s=5.0)
-        self.members, self.agents, self._pending = [], {}, {}
+        if drops:
+            ray.wait(drops, num_returns=len(drops), timeout=5.0)
+        self.members, self.agents, self._pending, self._killed_on = [], {}, {}, set()
 
     def _retire(self, agent, node_up: bool) -> None:
         """An agent whose node left the job: on a node that is up it first shuts down (its rank processes and its

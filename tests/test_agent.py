@@ -254,29 +254,87 @@ def test_agent_lost_between_prepare_and_start_is_a_start_error(ray_node, store):
         group.shutdown()
 
 
-def test_a_node_holding_replicas_but_no_ranks_leaves_the_ring_once_its_agent_dies(ray_node, store):
-    # A job whose ranks are on one node keeps its memory replicas on another node, which is not polled: the group
-    # sends it the memory floor about once a second, and drops it from the ring when that call fails, so the ranks'
-    # node stops sending it replicas. (This cluster has one node: an agent made here stands in for the other's.)
+def test_a_job_on_one_node_takes_a_replica_host_mid_generation_and_drops_it_once_its_agent_dies(ray_node, store, tmp_path):
+    # A job whose ranks are all on one node keeps its memory replicas on another node. When it starts, no other node
+    # may have an agent of the job yet (the job's first start, a node that joins later); as soon as one has (a warm
+    # spare's), the group makes that node the ring's host, mid-generation: the ranks' node is told to replicate
+    # there. The host is not polled: the group sends it the memory floor about once a second, and drops it from the
+    # ring when that call fails. (This cluster has one node: an agent made here stands in for another node's, and
+    # Ray's list of live nodes gets an entry for it.)
+    import ray
+
+    from agent_faults import kill_and_wait_dead
+    from elastic.agent import NodeAgent
+    from elastic.layout import Layout
+    from elastic.worker_group import LONG_POLL_S, RayWorkerGroup
+
+    class Group(RayWorkerGroup):
+        extra_nodes: list[dict] = []
+
+        def _alive(self):
+            return super()._alive() + self.extra_nodes
+
+    def peer_of(agent, want):
+        deadline = time.monotonic() + 10  # set_peer is not waited for
+        while (got := ray.get(agent.peer_address.remote())) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
+    def poll_until(ring):
+        deadline = time.monotonic() + 4 * LONG_POLL_S
+        while group.replica_ring != ring and time.monotonic() < deadline:
+            group.poll(0.2)
+        return group.replica_ring
+
+    group = _group(store, Group)
+    try:
+        group.start(Layout(dp_shard=2), _stuck_specs(2))
+        (node,) = group.agents
+        assert group.replica_ring == [node] and peer_of(group.agents[node], None) is None  # no other agent: no replicas
+        memory = {"dir": str(tmp_path), "job": group.memory_job, "replicas": 1, "secret": group.replica_secret}
+        host = NodeAgent.options(num_cpus=0).remote(1.0, 0.0, "", memory, True)
+        group.agents["host"] = host
+        group.poll(0.1)
+        time.sleep(LONG_POLL_S)
+        group.poll(0.1)
+        assert group.replica_ring == [node], "a node Ray does not list as up is never the host"
+        Group.extra_nodes = [{"NodeID": "host", "Alive": True, "Resources": {"CPU": 2.0}}]
+        assert poll_until([node, "host"]) == [node, "host"]
+        address = ray.get(host.replica_address.remote())
+        assert peer_of(group.agents[node], address) == address and group.replica_holder(node) == "host"
+        assert group.ring_changes() == [{"generation": 1, "ring": [node, "host"], "reason": "node host holds the replicas from the next snapshot on"}]
+        assert ray.get(host.memory_inventory.remote()) == {}  # polled with the floor: it answers
+        kill_and_wait_dead(host)
+        assert poll_until([node]) == [node]
+        assert peer_of(group.agents[node], None) is None and group.replica_holder(node) is None
+        (dropped,) = group.ring_changes()
+        assert dropped["ring"] == [node] and "node host holding the replicas did not answer" in dropped["reason"]
+    finally:
+        Group.extra_nodes = []
+        group.shutdown()
+
+
+def test_the_memory_files_an_agent_killed_at_teardown_leaves_on_a_node_that_is_up_go_at_the_end_of_the_job(ray_node, store):
+    # An agent that dies, or cannot end its generation in time, is killed at teardown: its node's memory files stay
+    # in that node's RAM (an agent that shuts down removes its own). At the end of the job the group removes them
+    # on each such node that is up and has no agent of the job.
     from agent_faults import kill_and_wait_dead
     from elastic.layout import Layout
-    from elastic.worker_group import LONG_POLL_S
+    from elastic.memory import memory_root
 
     group = _group(store)
     try:
         group.start(Layout(dp_shard=2), _stuck_specs(2))
         (node,) = group.agents
-        host, _ = _agent(slots=0)
-        group.agents["host"], group.replica_ring = host, [node, "host"]
-        group.poll(0.1)  # sends the floor
-        assert group.replica_holder(node) == "host"
-        kill_and_wait_dead(host)
-        deadline = time.monotonic() + 4 * LONG_POLL_S
-        while group.replica_ring != [node] and time.monotonic() < deadline:
-            group.poll(0.2)
-        assert group.replica_ring == [node] and group.replica_holder(node) is None
+        files = memory_root(group.cfg.checkpoint.memory_dir) / node / group.memory_job
+        (files / "step_00000003" / "data").mkdir(parents=True, exist_ok=True)
+        (files / "step_00000003" / "data" / "g000001-rank_00000.bin").write_bytes(b"x" * 4096)  # a snapshot's file
+        kill_and_wait_dead(group.agents[node])
+        group.teardown(kill_ranks=[0, 1])
+        assert node not in group.agents and files.is_dir()
     finally:
         group.shutdown()
+    assert not files.exists()
 
 
 def test_calls_to_a_dead_agent_fail_as_unreachable_ranks_not_ray_errors(ray_node, store):

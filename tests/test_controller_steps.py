@@ -70,6 +70,9 @@ class ScriptedGroup:
         errors, self._spares_asked = self._spares_asked, {}
         return errors
 
+    def ring_changes(self) -> list[dict]:
+        return []  # no memory tier here
+
     def node_of(self, rank: int) -> str:
         return f"node{rank // 2}"
 

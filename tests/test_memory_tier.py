@@ -219,7 +219,7 @@ def _tier(tmp_path, world=2):
     events = EventLog(tmp_path / "events.jsonl")
     cfg = _cfg(tmp_path, "unit", **{"checkpoint.memory": "true"})
     tier = MemoryTier(cfg, events)
-    tier.begin_generation(1, {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}, world, replicated=True)
+    tier.begin_generation(1, {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}, world)
     return tier, events
 
 
@@ -272,7 +272,7 @@ def test_a_generation_rolled_back_to_the_durable_tier_is_never_restored_from(tmp
         _write(mem, 9, rank, generation=1)
         _write(mem, 5, rank, generation=2)
     tier, _ = _tier(tmp_path)
-    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}, 2, replicated=False)
+    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}, 2)
     point = tier.find(_Agents({"a": mem}), newer_than=4, train_state=lambda s: {"data": {"position": s}})
     assert (point.step, point.memory["generation"]) == (5, 2)
 
@@ -287,10 +287,10 @@ def test_a_generation_resumed_at_a_resize_can_restore_the_snapshot_the_resize_st
     for rank in (0, 1):
         _write(mem, 12, rank, generation=1)
     _write(mem, 13, 0, generation=2)
-    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, replicated=True, resume_step=12)
+    tier.begin_generation(2, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, resume_step=12)
     point = tier.find(_Agents({"a": mem}), newer_than=10, train_state=lambda s: {"data": {"position": s}})
     assert (point.step, point.memory["generation"], point.memory["layout"]["dp_shard"]) == (12, 1, 2)
-    tier.begin_generation(3, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, replicated=True, resume_step=10)
+    tier.begin_generation(3, {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}, 4, resume_step=10)
     assert tier.find(_Agents({"a": mem}), newer_than=10, train_state=lambda s: {}) is None
 
 

@@ -2,12 +2,13 @@
 
 The cluster is what an operator starts by hand: a head from `ray start --head`
 (no worker slots: it runs the job's driver, the controller) with the dashboard
-and the job API on 127.0.0.1 and `RAY_AUTH_MODE=token`, plus one worker node
-with four worker slots. The token comes from `ray get-auth-token --generate`
+and the job API on 127.0.0.1 and `RAY_AUTH_MODE=token`, plus two worker nodes
+with four worker slots each (the job fits on one; the other holds its memory
+replicas). The token comes from `ray get-auth-token --generate`
 run with HOME pointing into the test's own directory, so the test neither
 reads nor writes the user's `~/.ray/auth_token`.
 
-The worker node is not started with `ray start --address`: on one machine that
+The worker nodes are not started with `ray start --address`: on one machine that
 command cannot stay on loopback. With `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` it
 refuses to start a non-head node at all, and without it Ray rewrites
 127.0.0.1 (the address and `--node-ip-address`) to the machine's outward
@@ -163,8 +164,9 @@ class TokenCluster:
             "--num-cpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
         ])
         self._wait(lambda: self._get("/api/version") is not None, "the dashboard to answer")
-        self._spawn("worker", [sys.executable, "-c", _WORKER_NODE, self.gcs, "4", temp_dir, *(str(_free_port()) for _ in range(4))])
-        self._wait(lambda: len(self.alive_nodes()) == 2, "two alive nodes")
+        for n in (1, 2):  # one after the other: a node starting finds itself in the GCS by its sockets' directory
+            self._spawn(f"worker-{n}", [sys.executable, "-c", _WORKER_NODE, self.gcs, "4", temp_dir, *(str(_free_port()) for _ in range(4))])
+            self._wait(lambda: len(self.alive_nodes()) == 1 + n, f"{1 + n} alive nodes")
 
     def stop(self) -> None:
         _stop_sessions(self.procs)
@@ -232,7 +234,7 @@ def token_cluster():
 def test_cluster_is_loopback_only_and_needs_the_token(token_cluster):
     nodes = token_cluster.alive_nodes()
     assert {n["node_ip"] for n in nodes} == {"127.0.0.1"}
-    assert sorted(n["is_head_node"] for n in nodes) == [False, True]
+    assert sorted(n["is_head_node"] for n in nodes) == [False, False, True]
     # The job API refuses a request without a token (401) and with a wrong one (403).
     assert token_cluster._get("/api/jobs/", token=None) == 401
     assert token_cluster._get("/api/jobs/", token="0" * 64) == 403
@@ -263,9 +265,9 @@ def test_ray_job_submit_runs_elastic_end_to_end(token_cluster, tmp_path):
     sets = {
         "run_root": run_root,
         "checkpoint.uri": tmp_path / "ckpt",
-        "training.steps": 30,
-        "checkpoint.every_steps": 10,
-        "fault.inject": '["kill:rank=1,step=14"]',
+        "training.steps": 70,
+        "checkpoint.every_steps": 20,
+        "fault.inject": '["kill:rank=1,step=55"]',
     }
     entrypoint = ["elastic", "run", "deploy/examples/demo.yaml", "--fresh"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     token_cluster.ray("job", "submit", "--no-wait", "--address", token_cluster.dash, "--submission-id", sub_id, "--working-dir", ".", "--", *entrypoint)
@@ -275,11 +277,19 @@ def test_ray_job_submit_runs_elastic_end_to_end(token_cluster, tmp_path):
     assert token_cluster._get(f"/api/jobs/{sub_id}")["status"] == "SUCCEEDED", logs[-4000:]
 
     # The progress printer writes plain lines when not on a terminal: they read well in `ray job logs`.
-    assert "step    30/30" in logs and "[failure] rank_died rank 1" in logs, logs[-4000:]
+    assert "step    70/70" in logs and "[failure] rank_died rank 1" in logs, logs[-4000:]
     report = json.loads((run_root / "demo" / "report.json").read_text())
-    assert report["state"] == "FINISHED" and report["steps_completed"] == 30
+    assert report["state"] == "FINISHED" and report["steps_completed"] == 70
     assert report["world_sizes"] == [4, 4]
     (failure,) = report["failures"]
-    # Steps 10..13 count as lost only if the controller saw them complete before the kill.
-    assert failure["kind"] == "kill" and failure["rank"] == 1 and 0 <= failure["lost_steps"] <= 14 - 10
+    assert failure["kind"] == "kill" and failure["rank"] == 1
+    assert failure["restored_from"] == "memory" and failure["lost_steps"] <= 1, failure
+    # The four ranks fit on one worker node. The other gets an agent once the job's first step asks it for a warm
+    # spare; from then on it holds the memory replicas of the ranks' node, mid-generation (on a GPU cluster, a job
+    # on one node of eight GPUs).
+    events = [json.loads(line) for line in (run_root / "demo" / "events.jsonl").read_text().splitlines()]
+    rings = [e for e in events if e["event"] == "replica_ring"]
+    assert [(e["generation"], len(e["ring"])) for e in rings] == [(1, 2)], rings
+    commits = [e["replicated"] for e in events if e["event"] == "memory_committed" and e["generation"] == 1]
+    assert True in commits and all(commits[commits.index(True):]), commits
     assert report["samples"]["missing"] == 0 and report["samples"]["duplicated"] == 0
