@@ -94,6 +94,7 @@ def memory_tier(enabled: bool, replicas: int, events: list[dict]) -> dict | None
     state_bytes = committed[-1]["bytes"] if committed else 0
     return {
         "snapshots_committed": len(committed),
+        "snapshots_replicated": sum(bool(e.get("replicated")) for e in committed),  # with a copy on another node too
         "last_committed_step": committed[-1]["step"] if committed else None,
         "stall_s": sum(e.get("memory_stall_s") or 0.0 for e in events if e["event"] == "step"),
         "state_bytes": state_bytes,

@@ -96,7 +96,7 @@ class RayWorkerGroup:
     _host_call: tuple[object, float] | None = None  # the last call to the ring's node without ranks, and when it went
     _host_sought: float = 0.0  # when a ring without such a node last looked for one (monotonic)
     _peer_calls: itertools.count = field(default_factory=lambda: itertools.count(1))  # numbers the agents' set_peer calls
-    _adopting: tuple[str, object] | None = None  # the node about to be that node, and the ranks' node's set_peer call
+    _adopting: tuple[str, object] | None = None  # the host being taken into the ring, and the set_peer call to the ranks' node
     _ring_news: list[dict] = field(default_factory=list)  # changes of the ring mid-generation, for the controller's events
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
     _retiring: list[tuple[object, object]] = field(default_factory=list)  # (agent, its shutdown's ref) of nodes that left
