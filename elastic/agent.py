@@ -494,20 +494,20 @@ class NodeAgent:
         if queued:
             self._replicator.submit(self._replicate_queued, c, generation, rec)
         else:
-            self._replicate(c, generation, rec)
+            self._replicate(c, generation, rec, None)
 
     def _replicate_queued(self, c: _Child, generation: int, rec: dict) -> None:
         try:
-            self._replicate(c, generation, rec)
+            self._replicate(c, generation, rec, self._peer)  # the peer of the moment its turn comes
         finally:
             with self._lock:
                 self._replicating -= 1
 
-    def _replicate(self, c: _Child, generation: int, rec: dict) -> None:
-        """Copy a rank's finished snapshot to the peer node, if this node has one now; tell the rank, then pass the
-        record on (replicated or not)."""
+    def _replicate(self, c: _Child, generation: int, rec: dict, peer: ReplicaClient | None) -> None:
+        """Copy a rank's finished snapshot to `peer` (None: no node holds this node's replicas), tell the rank, then
+        pass the record on (replicated or not)."""
         step, rank = rec["step"], rec["rank"]
-        peer, error = self._peer, None
+        error = None
         if peer is not None:
             try:
                 body = self._memory.rows_body(step, rank, generation)

@@ -318,10 +318,10 @@ class RayWorkerGroup:
         """
         if len(by_node) != 1 or not (self.cfg.checkpoint.memory and self.cfg.checkpoint.memory_replicas):
             return
-        now = time.monotonic()
+        now, (node,) = time.monotonic(), by_node
         hosts = [n for n in self.replica_ring if n not in by_node]
         if not hosts:
-            self._adopt_host(by_node, now)
+            self._adopt_host(node, by_node, now)
             return
         if self._host_call is not None and now < self._host_call[1] + LONG_POLL_S:
             return
@@ -332,16 +332,14 @@ class RayWorkerGroup:
             try:
                 ray.get(ref, timeout=0)
             except RayError as exc:  # gone, or not answering (GetTimeoutError)
-                (node,) = by_node
                 self._set_peer(node, None)
-                self._set_ring(sorted(by_node), f"node {hosts[0]} holding the replicas did not answer: {_one_line(exc)}")
+                self._set_ring([node], f"node {hosts[0]} holding the replicas did not answer: {_one_line(exc)}")
                 return
         self._host_call = (self.agents[hosts[0]].poll.remote(self.generation, 0.0, self.memory_floor), now)
 
-    def _adopt_host(self, by_node: dict[str, list[Member]], now: float) -> None:
-        """Find a host for the ring (`_replica_host`), tell the ranks' node's agent, and take the host into the ring
-        once that agent has its address (the host's agent may still be starting)."""
-        (node,) = by_node
+    def _adopt_host(self, node: str, by_node: dict[str, list[Member]], now: float) -> None:
+        """Find a host for the ring (`_replica_host`), tell the agent of the ranks' `node`, and take the host into the
+        ring once that agent has its address (the host's agent may still be starting)."""
         if self._adopting is not None:
             host, ref = self._adopting
             if not ray.wait([ref], timeout=0)[0]:
@@ -487,7 +485,7 @@ class RayWorkerGroup:
             self._retire(agent, node_up=True)
         orphans = self._killed_on - set(self.agents) if self.cfg.checkpoint.memory else set()
         drops = [_drop_job_memory.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                 .remote(self.cfg.checkpoint.memory_dir, self.memory_job) for n in self._alive() if n["NodeID"] in orphans]
+                 .remote(self.cfg.checkpoint.memory_dir, self.memory_job) for n in (self._alive() if orphans else []) if n["NodeID"] in orphans]
         self._reap_retired(wait_s=5.0)
         if drops:
             ray.wait(drops, num_returns=len(drops), timeout=5.0)
