@@ -18,6 +18,7 @@ On disk, below the node's directory (`<root>/<node id>/<job>`):
     step_NNNNNNNN/rows/gGGGGGG-rank_RRRRR.json   its index rows: the file is complete
     step_NNNNNNNN/index.arrow, manifest.json     once staged for a restore (with hollow stand-ins, without rows,
                                                  for the files that are on other nodes)
+    spare/data/gGGGGGG-rank_RRRRR.bin            a file dropped below the committed step, for its rank's next write
 
 What a node holds dies with the node: nothing outside the node reads its
 directory, only its agent does (on a simulated node of the embedded cluster
@@ -28,7 +29,9 @@ one being written (`keep_two`): a rank starts writing step s+k only after
 every rank has finished step s (it waits for its own snapshot before the
 gradient-norm all-reduce that every rank joins), so step s is always whole
 somewhere. A node thus holds at most its ranks' state x 2, plus its ring
-predecessor's x 2 as replicas.
+predecessor's x 2 as replicas. A file dropped below the committed step waits
+in `spare/` (without rows: it restores nothing) for its rank's next write,
+which overwrites it in place: that file is the one being written next.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from storage.format import CheckpointError, crc32, data_file, parse_step_dir, step_dir
+from storage.format import CheckpointError, crc32, data_file, data_file_generation, parse_step_dir, step_dir
 from storage.fs import Store, _pwrite_all
 
 _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
+SPARE = "spare"  # data files set aside below the committed step, each for its rank's next write (NodeMemory.drop_below)
 _READ_BLOCK = 8 << 20
 
 
@@ -96,10 +100,11 @@ class NodeMemory:
         on top of the copy, and as much again to free the old one. `reuse`
         False where something may still read the dropped file (its replica's
         send timed out, and may still be under way: a send reads the file it opened).
+        The file `drop_below` set aside for the rank (`spare/`) is taken first.
         """
         mine = data_file(rank, generation)
         steps = sorted(s for (_, s), ranks in self._complete(generation).items() if rank in ranks and s < writing)
-        reused = not reuse
+        reused = self._take_spare(rank, generation, writing) if reuse else self._drop_spare(rank, generation)
         for step in self.steps():
             if step < writing and step not in steps[-1:]:
                 reused = reused or self._reuse(step, writing, rank, generation)
@@ -261,12 +266,22 @@ class NodeMemory:
         """Forget every snapshot older than `step` of `generation`, and every one of an earlier generation.
 
         (`generation`, `step`) is committed, or what the running generation
-        was restored from: nothing before it can be restored any more.
+        was restored from: nothing before it can be restored any more. A
+        data file of `generation` is set aside for its rank's next write
+        (`keep_two`) rather than removed: with a snapshot every step, the
+        commit usually drops the file the next write would have reused, and a
+        new file costs the allocation and zeroing of its pages (and their
+        faults, written through a map) on top of the copy. Spares of earlier
+        generations go.
         """
         for key, ranks in self._complete(None).items():
             if key < (generation, step):
                 for rank in ranks:
-                    self._remove_file(key[1], data_file(rank, key[0]), rank, key[0])
+                    if key[0] != generation or not self._set_aside(key[1], rank, generation):
+                        self._remove_file(key[1], data_file(rank, key[0]), rank, key[0])
+        for old in self._spares():
+            if data_file_generation(f"data/{old.name}") != generation:
+                old.unlink(missing_ok=True)
         for s in self.steps():
             if s < step:  # nobody writes below a committed step: what is left there (unfinished writes, empty dirs) goes
                 self.store.remove_tree(step_dir(s))
@@ -303,6 +318,46 @@ class NodeMemory:
                 sub.rmdir()
             except OSError:
                 pass  # not empty (or gone): a file is still there
+
+    def _spare(self, rank: int, generation: int) -> Path:
+        return self.path / SPARE / data_file(rank, generation)
+
+    def _spares(self) -> list[Path]:
+        try:
+            return list((self.path / SPARE / "data").iterdir())
+        except FileNotFoundError:
+            return []
+
+    def _set_aside(self, step: int, rank: int, generation: int) -> bool:
+        """Move `rank`'s data file of `step` (its rows first removed) to its spare place; False when it has a spare
+        already, or the file is gone."""
+        spare = self._spare(rank, generation)
+        if spare.exists():
+            return False
+        self.store.remove(f"{step_dir(step)}/{rows_file(rank, generation)}")
+        try:
+            spare.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.path / step_dir(step) / data_file(rank, generation), spare)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _take_spare(self, rank: int, generation: int, writing: int) -> bool:
+        """Make `rank`'s spare file the file of step `writing`; False when it has none, or `writing` has one already."""
+        target = self.path / step_dir(writing) / data_file(rank, generation)
+        if target.exists():
+            return False
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self._spare(rank, generation), target)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _drop_spare(self, rank: int, generation: int) -> bool:
+        """Remove `rank`'s spare file (a write that reuses nothing keeps the node at two files a rank); True."""
+        self._spare(rank, generation).unlink(missing_ok=True)
+        return True
 
     def _reuse(self, step: int, writing: int, rank: int, generation: int) -> bool:
         """Move `rank`'s data file of `step` to step `writing` (its rows first removed), to be overwritten there; False

@@ -31,6 +31,7 @@ from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.memory import NodeMemory
 from storage.state import SnapshotPool
+from storage.fs import FileMaps
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize, model_vocab_size
 from elastic.schedule import lr_at
 from strategies import clip_grad_norm
@@ -177,6 +178,7 @@ class Trainer:
         self.memory = NodeMemory(spec.memory_dir) if self.cfg.checkpoint.memory and spec.memory_dir else None
         self._memory_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-writer") if self.memory else None
         self._memory_buffers = SnapshotPool()
+        self._memory_maps = FileMaps()  # the maps of this rank's two memory files, overwritten in turn (storage.fs.FileMaps)
         self._memory_records: deque[dict] = deque(maxlen=MEMORY_RECORDS)  # this rank's newest step records, for its snapshots
         self._memory_layout: dict = {}  # storage.plan_writes' layout cache for the memory snapshots (this generation's layout)
         self._memory_pending = None  # (step, Future) of the memory snapshot in flight
@@ -254,6 +256,7 @@ class Trainer:
             self.writer.close()
             if self._memory_pool is not None:
                 self._memory_pool.shutdown(wait=True)  # a memory snapshot in flight ends in this generation's files
+            self._memory_maps.close()
 
     def _run(self) -> bool:
         self.build()
@@ -416,7 +419,7 @@ class Trainer:
             data = tensors
         self.memory.keep_two(self.rank, self.spec.generation, step, reuse=reuse)
         rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
-                                    layout_cache=self._memory_layout, durable=False)
+                                    layout_cache=self._memory_layout, durable=False, maps=self._memory_maps)
         self.memory.finish(step, self.rank, self.spec.generation, rows, records)
         self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
                              has_file=bool(rows), save_s=time.time() - t0)

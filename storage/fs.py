@@ -48,6 +48,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import fsspec
+import numpy
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -118,6 +119,19 @@ class Store:
         with self.fs.open(self.path(rel), "wb") as f:
             for buf in buffers:
                 f.write(memoryview(buf).cast("B"))
+
+    def write_mapped(self, rel: str, size: int, buffers: Iterable, maps: FileMaps) -> None:
+        """Overwrite a local file that need not outlive the machine with `size` bytes of `buffers`, through its map
+        in `maps` (kept from one write to the next); elsewhere, `write` it."""
+        if self.local is None:
+            self.write(rel, buffers, durable=False)
+            return
+        with self._parent(rel, create=True) as (dir_fd, name):
+            fd = _open_at(dir_fd, name, os.O_RDWR | os.O_CREAT, rel)
+            try:
+                maps.write(fd, size, buffers)
+            finally:
+                os.close(fd)
 
     def write_atomic(self, rel: str, data: bytes, *, publish_if: Callable[[], bool] | None = None, durable: bool = True) -> bool:
         """Publish a small file all at once: readers see the old state or the whole new file, never a part.
@@ -660,6 +674,69 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
     finally:
         os.close(fd)
     return size
+
+
+class FileMaps:
+    """Writable maps of the files a writer overwrites again and again (a rank's memory-tier files), kept between writes.
+
+    Storing through a map is a plain copy: no system call, no page-cache
+    lookup per page, as a `pwritev` has (measured alone on a 7 MB snapshot of
+    84 pieces, checksums included: 0.63 ms of CPU against 1.02 ms). The copy
+    releases the GIL, as a system call does. A new map's pages are allocated
+    first (`posix_fallocate`): on a full RAM-backed filesystem that is an
+    ENOSPC error there, never a SIGBUS in the middle of a copy. At most `keep`
+    maps are kept (the newest used), and none of a file that is gone, whose
+    pages would otherwise outlive it.
+    """
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._maps: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}  # by (device, inode): own descriptor, map
+
+    def write(self, fd: int, size: int, buffers: Iterable) -> int:
+        """Overwrite the file open as `fd` (which stays the caller's) with `buffers`, `size` bytes in all; returns `size`."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        held = self._maps.pop(key, None)
+        if held is not None and (st.st_size != size or (held[1] is not None and len(held[1]) != size)):
+            self._close(held)
+            held = None
+        if held is None:
+            os.posix_fallocate(fd, 0, max(size, 1))
+            os.ftruncate(fd, size)
+            own = os.dup(fd)
+            held = (own, mmap.mmap(own, size) if size else None)
+        self._maps[key] = held  # the newest last
+        self._trim()
+        target, pos = numpy.frombuffer(held[1] or b"", dtype=numpy.uint8), 0
+        try:
+            for buf in buffers:
+                view = numpy.frombuffer(memoryview(buf).cast("B"), dtype=numpy.uint8)
+                if pos + view.nbytes > size:
+                    raise ValueError(f"more than the {size} bytes announced")
+                numpy.copyto(target[pos : pos + view.nbytes], view)
+                pos += view.nbytes
+        finally:
+            del target  # the map can close only once nothing views it
+        if pos != size:
+            raise ValueError(f"{pos} bytes written of the {size} announced")
+        return size
+
+    def _trim(self) -> None:
+        for key in [k for k, (fd, _) in self._maps.items() if os.fstat(fd).st_nlink == 0]:
+            self._close(self._maps.pop(key))
+        while len(self._maps) > self._keep:
+            self._close(self._maps.pop(next(iter(self._maps))))
+
+    @staticmethod
+    def _close(held: tuple[int, mmap.mmap | None]) -> None:
+        if held[1] is not None:
+            held[1].close()
+        os.close(held[0])
+
+    def close(self) -> None:
+        while self._maps:
+            self._close(self._maps.popitem()[1])
 
 
 def _write_local(dir_fd: int, name: str, shown: str, buffers: Iterable, durable: bool) -> int:

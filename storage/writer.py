@@ -43,7 +43,7 @@ from storage.format import (
     encode_manifest,
     step_dir,
 )
-from storage.fs import Store
+from storage.fs import FileMaps, Store
 from storage.state import SnapshotPool, compute_done, copy_pieces, plan_writes
 
 _BLOCK = 1 << 20
@@ -55,7 +55,7 @@ _RECHECK_MAX = 0 if COMBINE_IS_CHEAP else 64 << 10
 
 def write_shards(
     uri: str, step: int, rank: int, tensors: dict, *, generation: int, storage_options: dict | None = None,
-    layout_cache: dict | None = None, durable: bool = True,
+    layout_cache: dict | None = None, durable: bool = True, maps: FileMaps | None = None,
 ) -> list[dict]:
     """Write this rank's pieces of `tensors` (live tensors or a `snapshot`) into its file of `generation`; returns JSON-able index rows.
 
@@ -66,7 +66,8 @@ def write_shards(
     byte_offset, nbytes, crc32) plus `file_bytes` and `file_crc32` of the whole
     data file, which the commit moves into the manifest. A rank with nothing to
     write returns no rows and creates no file. `layout_cache`: see `plan_writes`;
-    `durable=False` for files that need not outlive the machine (the memory tier's).
+    `durable=False` for files that need not outlive the machine (the memory tier's), written through `maps` (kept
+    between writes, `storage.fs.FileMaps`) where given.
     """
     plan = plan_writes(tensors, layout_cache)
     if not any(part.pieces for part in plan.values()):
@@ -110,7 +111,11 @@ def write_shards(
             file_crc = crc32(raw, file_crc) if raw.nbytes < _RECHECK_MAX else crc32_combine(file_crc, crc, raw.nbytes)
             pos = row["byte_offset"] + raw.nbytes
 
-    Store(uri, storage_options).write(f"{step_dir(step)}/{rel}", buffers(), durable=durable)
+    store = Store(uri, storage_options)
+    if maps is not None and not durable:
+        store.write_mapped(f"{step_dir(step)}/{rel}", offset, buffers(), maps)
+    else:
+        store.write(f"{step_dir(step)}/{rel}", buffers(), durable=durable)
     for row in rows:
         row["file_bytes"], row["file_crc32"] = offset, file_crc
     return rows

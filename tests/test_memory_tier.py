@@ -8,6 +8,7 @@ on an embedded multi-node Ray cluster with real process and node kills.
 
 import contextlib
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from elastic.memory import NodeMemory, rows_body
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
 from storage.format import data_file
+from storage.fs import FileMaps
 from test_ray_elastic import _cfg as ray_cfg
 from test_ray_elastic import _clean_ledger
 
@@ -195,6 +197,67 @@ def test_what_is_older_than_the_floor_or_of_an_earlier_generation_is_dropped(tmp
         _write(mem, step, rank=0, generation=generation)
     mem.drop_below(2, 8)  # generation 2 restored from durable step 6 and has committed step 8
     assert sorted(mem.inventory()) == [(2, 8)]
+
+
+def test_a_file_dropped_below_the_floor_waits_for_its_ranks_next_write(tmp_path):
+    # With a snapshot every step the commit of step s drops s-1 before the rank writes s+1, so keep_two would find
+    # nothing to reuse: drop_below sets the file aside (no rows: it restores nothing, but its memory counts) and the
+    # rank's next write overwrites it in place. A spare of an earlier generation goes at the next drop; a write
+    # that may reuse nothing (a send may still read) removes the rank's spare, so the node keeps two files a rank.
+    mem = NodeMemory(tmp_path / "node")
+
+    def data_files():
+        return sorted(str(p.relative_to(mem.path)) for p in mem.path.rglob("*.bin"))
+
+    for step in (1, 2):
+        _write(mem, step, rank=0)
+    old = os.stat(mem.path / "step_00000001" / data_file(0, 1)).st_ino
+    mem.drop_below(1, 2)
+    assert sorted(mem.inventory()) == [(1, 2)] and mem.steps() == [2]
+    assert data_files() == ["spare/data/g000001-rank_00000.bin", "step_00000002/data/g000001-rank_00000.bin"]
+    rows = _write(mem, 3, rank=0, value=3.0)
+    assert os.stat(mem.path / "step_00000003" / data_file(0, 1)).st_ino == old
+    assert mem.verify(3, 0, rows) is None and sorted(mem.inventory()) == [(1, 2), (1, 3)]
+    mem.drop_below(1, 3)
+    assert len(data_files()) == 2
+    mem.keep_two(0, 1, 4, reuse=False)
+    assert data_files() == ["step_00000003/data/g000001-rank_00000.bin"]
+    _write(mem, 4, rank=0)
+    mem.drop_below(1, 4)
+    _write(mem, 5, rank=1, generation=2)
+    mem.drop_below(2, 5)
+    assert sorted(mem.inventory()) == [(2, 5)] and data_files() == ["step_00000005/data/g000002-rank_00001.bin"]
+
+
+def test_a_ranks_memory_files_are_written_through_kept_maps_that_never_pin_a_removed_file(tmp_path):
+    # The rank's writer overwrites its two files in turn through maps it keeps (storage.fs.FileMaps): the bytes
+    # match their checksums at every size, and a map of a file that is gone (the job's directory removed, a
+    # spare dropped) is let go at the next write, so it holds no memory after the file.
+    mem, maps = NodeMemory(tmp_path / "node"), FileMaps()
+
+    def mapped() -> list[str]:
+        return [line for line in open("/proc/self/maps").read().splitlines() if str(mem.path) in line]
+
+    def write(step: int, n: int = 64) -> None:
+        mem.keep_two(0, 1, step)
+        tensors = {"model.w0": torch.randn(n, n), "model.b0": torch.arange(float(n))}
+        rows = storage.write_shards(mem.uri, step, 0, tensors, generation=1, durable=False, maps=maps)
+        mem.finish(step, 0, 1, rows)
+        assert mem.verify(step, 0, rows) is None
+
+    for step in range(1, 6):
+        write(step)
+        mem.drop_below(1, step)
+    assert len(mapped()) == 2  # the two files the rank writes in turn
+    write(6, n=96)  # another size: the file is cut to it and mapped anew
+    assert len(mapped()) == 2
+    for step in (7, 8):
+        write(step, n=96)
+    shutil.rmtree(mem.path)
+    write(9)
+    assert len(mapped()) == 1 and "(deleted)" not in mapped()[0]
+    maps.close()
+    assert mapped() == []
 
 
 class _Agents:
