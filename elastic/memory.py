@@ -104,10 +104,15 @@ class NodeMemory:
         """
         mine = data_file(rank, generation)
         steps = sorted(s for (_, s), ranks in self._complete(generation).items() if rank in ranks and s < writing)
-        reused = self._take_spare(rank, generation, writing) if reuse else self._drop_spare(rank, generation)
+        spare, target = self._spare(rank, generation), self.path / step_dir(writing) / mine
+        if reuse:
+            reused = self._move_data(spare, target)
+        else:
+            spare.unlink(missing_ok=True)  # nothing is reused: the node keeps two files a rank
+            reused = True
         for step in self.steps():
             if step < writing and step not in steps[-1:]:
-                reused = reused or self._reuse(step, writing, rank, generation)
+                reused = reused or self._move_data(self.path / step_dir(step) / mine, target, step, rows_file(rank, generation))
                 self._remove_file(step, mine, rank, generation)  # what was not reused
                 self._remove_if_empty(step)
 
@@ -277,8 +282,11 @@ class NodeMemory:
         for key, ranks in self._complete(None).items():
             if key < (generation, step):
                 for rank in ranks:
-                    if key[0] != generation or not self._set_aside(key[1], rank, generation):
-                        self._remove_file(key[1], data_file(rank, key[0]), rank, key[0])
+                    rel = data_file(rank, key[0])
+                    kept = key[0] == generation and self._move_data(
+                        self.path / step_dir(key[1]) / rel, self._spare(rank, generation), key[1], rows_file(rank, generation))
+                    if not kept:
+                        self._remove_file(key[1], rel, rank, key[0])
         for old in self._spares():
             if data_file_generation(f"data/{old.name}") != generation:
                 old.unlink(missing_ok=True)
@@ -328,45 +336,14 @@ class NodeMemory:
         except FileNotFoundError:
             return []
 
-    def _set_aside(self, step: int, rank: int, generation: int) -> bool:
-        """Move `rank`'s data file of `step` (its rows first removed) to its spare place; False when it has a spare
-        already, or the file is gone."""
-        spare = self._spare(rank, generation)
-        if spare.exists():
-            return False
-        self.store.remove(f"{step_dir(step)}/{rows_file(rank, generation)}")
-        try:
-            spare.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(self.path / step_dir(step) / data_file(rank, generation), spare)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _take_spare(self, rank: int, generation: int, writing: int) -> bool:
-        """Make `rank`'s spare file the file of step `writing`; False when it has none, or `writing` has one already."""
-        target = self.path / step_dir(writing) / data_file(rank, generation)
-        if target.exists():
-            return False
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(self._spare(rank, generation), target)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _drop_spare(self, rank: int, generation: int) -> bool:
-        """Remove `rank`'s spare file (a write that reuses nothing keeps the node at two files a rank); True."""
-        self._spare(rank, generation).unlink(missing_ok=True)
-        return True
-
-    def _reuse(self, step: int, writing: int, rank: int, generation: int) -> bool:
-        """Move `rank`'s data file of `step` to step `writing` (its rows first removed), to be overwritten there; False
-        when there is none, or `writing` has one already (an earlier attempt's: overwritten as it is)."""
-        rel = data_file(rank, generation)
-        source, target = self.path / step_dir(step) / rel, self.path / step_dir(writing) / rel
+    def _move_data(self, source: Path, target: Path, step: int = 0, rows: str = "") -> bool:
+        """Move a data file to `target`, to be overwritten there (its rows file `rows` of `step`, where given, removed
+        first: a moved file is never complete); False when it is gone, or `target` has one already (an earlier
+        attempt's: overwritten as it is)."""
         if target.exists() or not source.exists():
             return False
-        self.store.remove(f"{step_dir(step)}/{rows_file(rank, generation)}")
+        if rows:
+            self.store.remove(f"{step_dir(step)}/{rows}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.rename(source, target)
