@@ -154,8 +154,14 @@ def test_a_job_closes_what_it_opens(tmp_path):
         "name=closes", f"run_root={tmp_path}", "fault.inject=[]", "scaling.num_workers=1", "scaling.min_workers=1",
         "training.steps=3", "checkpoint.every_steps=3",
     ])
+    def comm(tid: str) -> str:
+        try:
+            return open(f"/proc/self/task/{tid}/comm").read().strip()
+        except FileNotFoundError:
+            return ""  # the thread ended after the listing
+
     def store_threads() -> int:
-        return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_tcpstore" for t in os.listdir("/proc/self/task"))
+        return sum(comm(t) == "pt_tcpstore" for t in os.listdir("/proc/self/task"))
 
     sockets_before = {(ip, port) for _, ip, port in listening({os.getpid()})}
     threads_before = {t.ident for t in threading.enumerate()}
