@@ -58,7 +58,7 @@ import ray
 
 import storage
 from storage.format import data_file, encode_index
-from elastic.memory import NodeMemory, memory_root
+from elastic.memory import NodeMemory, memory_root, sweep_abandoned
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
     Command, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed,
@@ -160,6 +160,9 @@ class NodeAgent:
         if memory is not None:
             node_id = ray.get_runtime_context().get_node_id()
             self._memory = NodeMemory(memory_root(memory["dir"]) / node_id / memory["job"])
+            self._memory.claim()
+            # What killed jobs left on this machine goes (elastic.memory.sweep_abandoned), off the agent's start.
+            threading.Thread(target=sweep_abandoned, args=(memory_root(memory["dir"]),), name="memory-sweep", daemon=True).start()
         self._replicas = bool(memory and memory["replicas"])
         self._secret = bytes.fromhex(memory["secret"]) if self._replicas else b""
         # This node's end of the replication links (elastic.replica_link): its ring predecessor streams replicas here.

@@ -24,6 +24,13 @@ What a node holds dies with the node: nothing outside the node reads its
 directory, only its agent does (on a simulated node of the embedded cluster
 too, where `elastic.cluster` deletes the directory when it removes the node).
 
+A job whose agents die without their shutdown (the driver SIGKILLed, an OOM
+kill) must not hold a node's RAM until the machine reboots: each agent holds
+an exclusive `flock` on `<root>/<node id>/<job>.lock` (`NodeMemory.claim`),
+which the kernel releases however the agent ends, and every agent that
+starts on a machine removes the job directories whose lock nobody holds
+(`sweep_abandoned`).
+
 Retention keeps, per rank, the newest step whose snapshot is complete and the
 one being written (`keep_two`): a rank starts writing step s+k only after
 every rank has finished step s (it waits for its own snapshot before the
@@ -36,12 +43,14 @@ which overwrites it in place: that file is the one being written next.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -49,6 +58,9 @@ from storage.format import CheckpointError, crc32, data_file, data_file_generati
 from storage.fs import Store, _pwrite_all
 
 _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
+CLAIM_TIMEOUT_S = 30.0
+"""How long an agent waits for the lock of its job's directory on its node (`NodeMemory.claim`): an earlier agent of
+the job there that was killed may still be exiting."""
 SPARE = "spare"  # data files set aside below the committed step, each for its rank's next write (NodeMemory.drop_below)
 _READ_BLOCK = 8 << 20
 
@@ -73,6 +85,48 @@ def rows_body(rows: list[dict], records: Iterable[dict] = ()) -> bytes:
     return json.dumps({"rows": rows, "records": list(records)}).encode()
 
 
+def owner_lock(job_dir: Path) -> Path:
+    """The file whose `flock` marks a job's directory on a node as held by a live agent (next to it, not in it:
+    removing what the directory holds never removes the mark)."""
+    return job_dir.with_name(job_dir.name + ".lock")
+
+
+def sweep_abandoned(root: Path) -> list[Path]:
+    """Remove the job directories under `root` (`<root>/<node id>/<job>`) whose agent is gone: their lock file is
+    held by no process. Returns what it removed.
+
+    A directory without a lock file is left alone (an agent takes its lock
+    before it makes the directory); so is one that this process may not
+    lock or remove (another user's). The lock is held while the directory
+    goes, so an agent of the same job that claims it meanwhile waits, then
+    claims a new one.
+    """
+    removed = []
+    for lock in sorted(root.glob("*/*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue  # gone meanwhile, or not ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live agent holds it
+        try:
+            job_dir = lock.with_suffix("")
+            shutil.rmtree(job_dir, ignore_errors=True)
+            if not job_dir.exists():
+                lock.unlink(missing_ok=True)
+                removed.append(job_dir)
+        finally:
+            os.close(fd)
+        try:
+            lock.parent.rmdir()  # the node's directory, once no job has files there
+        except OSError:
+            pass
+    return removed
+
+
 class NodeMemory:
     """One job's memory-tier files on one node."""
 
@@ -80,6 +134,40 @@ class NodeMemory:
         self.path = Path(path)
         self.uri = str(self.path)
         self.store = Store(self.uri)
+        self._owner: int | None = None  # the descriptor that holds this directory's lock (`claim`)
+
+    def claim(self, timeout_s: float = CLAIM_TIMEOUT_S) -> None:
+        """Hold this directory's lock for as long as this process (the node agent) lives, or until `destroy`: while
+        it is held, no `sweep_abandoned` removes the directory.
+
+        Waits up to `timeout_s` for an earlier agent of the job on this node
+        that was killed and is still exiting; raises if it holds on longer.
+        """
+        lock, deadline = owner_lock(self.path), time.monotonic() + timeout_s
+        while self._owner is None:
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:
+                continue  # a sweep removed the node's directory between the two
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the memory directory {self.path} is held by another live process (pid {holder or '?'})") from None
+                time.sleep(0.05)
+                continue
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                    self._owner = fd
+                    continue
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # a sweep removed the file we locked (its directory was abandoned): lock a new one
 
     # -- a rank's writes -------------------------------------------------------------
     def finish(self, step: int, rank: int, generation: int, rows: list[dict], records: list[dict] = ()) -> None:
@@ -295,8 +383,13 @@ class NodeMemory:
                 self.store.remove_tree(step_dir(s))
 
     def destroy(self) -> None:
-        """Remove this job's files on the node, and the node's directory if no other job has files there."""
+        """Remove this job's files on the node (its lock too where this process holds it), and the node's directory
+        if no other job has files there."""
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._owner is not None:
+            owner_lock(self.path).unlink(missing_ok=True)
+            os.close(self._owner)
+            self._owner = None
         try:
             self.path.parent.rmdir()
         except OSError:

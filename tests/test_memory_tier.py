@@ -7,8 +7,14 @@ on an embedded multi-node Ray cluster with real process and node kills.
 """
 
 import contextlib
+import fcntl
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +24,7 @@ from ckpt_utils import full_tensors
 from elastic.checkpointing import MemoryTier
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
-from elastic.memory import NodeMemory, rows_body
+from elastic.memory import NodeMemory, rows_body, sweep_abandoned
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
 from storage.format import data_file
@@ -180,6 +186,106 @@ def test_destroy_removes_the_jobs_files_and_an_emptied_node_directory_but_not_an
     assert not jobs[0].path.exists() and jobs[1].inventory()
     jobs[1].destroy()
     assert not (tmp_path / "node").exists()
+
+
+_HOLDER = """
+import sys, time
+from elastic.memory import NodeMemory, rows_body
+mem = NodeMemory(sys.argv[1])
+mem.claim()
+mem.put_file(1, 0, 1, [b"x" * 4096], rows_body([]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(path) -> subprocess.Popen:
+    """A process that claims a job's memory directory on a node, as its agent does, writes a file and lives on."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1], env={"PATH": os.environ["PATH"]})
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_killed_agents_memory_is_swept_by_the_next_agent_and_a_live_ones_is_kept(tmp_path):
+    root = tmp_path / "elastic-memory"
+    killed, live = _holder(root / "node-a" / "job1"), _holder(root / "node-b" / "job2")
+    unlocked = NodeMemory(root / "node-b" / "job0")  # no lock file: not known to be abandoned
+    _write(unlocked, 1, rank=0)
+    try:
+        killed.kill()
+        killed.wait()
+        # The dead agent's files outlive it: nothing but a sweep removes them.
+        assert NodeMemory(root / "node-a" / "job1").inventory()
+        with pytest.raises(RuntimeError, match=f"held by another live process \\(pid {live.pid}\\)"):
+            NodeMemory(root / "node-b" / "job2").claim(timeout_s=0.2)
+        assert sweep_abandoned(root) == [root / "node-a" / "job1"]
+        assert not (root / "node-a").exists()  # its node's directory went with its last job
+        assert NodeMemory(root / "node-b" / "job2").inventory() and unlocked.inventory()
+        assert (root / "node-b" / "job2.lock").exists()
+    finally:
+        live.kill()
+        live.wait()
+    # An agent of the same job that comes after the killed one claims the directory and keeps what it finds there.
+    again = NodeMemory(root / "node-b" / "job2")
+    again.claim(timeout_s=5.0)
+    assert sweep_abandoned(root) == [] and again.inventory()
+    again.destroy()
+    assert not (root / "node-b" / "job2.lock").exists() and unlocked.inventory()
+
+
+def _job_yaml(tmp_path, name: str, steps: int) -> Path:
+    """The demo's job without its fault, keeping its memory tier under `tmp_path/mem`."""
+    text = (Path(__file__).resolve().parents[1] / "deploy/examples/demo.yaml").read_text()
+    text = text[: text.index("fault:")].replace("name: demo", f"name: {name}").replace("steps: 300", f"steps: {steps}")
+    text = text.replace("memory: true}", f"memory: true, memory_dir: {tmp_path / 'mem'}}}")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text.replace("run_root: runs", f"run_root: {tmp_path / 'runs'}"))
+    return path
+
+
+def _lock_free(lock: Path) -> bool:
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_a_job_killed_with_its_driver_leaves_no_memory_behind_once_another_job_starts(tmp_path):
+    """`elastic run` SIGKILLed (as an OOM kill would) leaves its snapshots in the nodes' memory; the next job's
+    agents remove them, and that job removes its own at its end."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
+    elastic = [sys.executable, "-m", "elastic", "run"]
+    root = tmp_path / "mem" / "elastic-memory"
+    first = subprocess.Popen([*elastic, str(_job_yaml(tmp_path, "first", 5000))], cwd=Path(__file__).resolve().parents[1],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(root.glob("*/*/step_*/data/*.bin")):
+            assert first.poll() is None and time.monotonic() < deadline, "the first job wrote no memory snapshot"
+            time.sleep(0.5)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        locks = list(root.glob("*/*.lock"))
+        assert len(locks) == 2  # one per node's agent
+        deadline = time.monotonic() + 60
+        while not all(_lock_free(lock) for lock in locks):  # Ray ends the dead driver's agents
+            assert time.monotonic() < deadline, "the dead job's agents lived on"
+            time.sleep(0.5)
+        left = [lock.with_suffix("") for lock in locks]
+        assert all(d.is_dir() for d in left)  # nothing removed them: their agents died without a shutdown
+        second = subprocess.run([*elastic, str(_job_yaml(tmp_path, "second", 3))], cwd=Path(__file__).resolve().parents[1],
+                                env=env, capture_output=True, text=True, timeout=180)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert not any(d.exists() for d in left) and not list(root.glob("*/*")), list(root.rglob("*"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)  # what the embedded Ray of the killed driver left running
 
 
 def test_a_flipped_byte_fails_verification_and_names_the_file(tmp_path):
