@@ -43,6 +43,7 @@ which overwrites it in place: that file is the one being written next.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -383,13 +384,22 @@ class NodeMemory:
                 self.store.remove_tree(step_dir(s))
 
     def destroy(self) -> None:
-        """Remove this job's files on the node (its lock too where this process holds it), and the node's directory
-        if no other job has files there."""
+        """Remove this job's files on the node, its lock unless another live process holds it, and the node's
+        directory if no other job has files there."""
         shutil.rmtree(self.path, ignore_errors=True)
-        if self._owner is not None:
-            owner_lock(self.path).unlink(missing_ok=True)
-            os.close(self._owner)
-            self._owner = None
+        lock, fd = owner_lock(self.path), self._owner
+        self._owner = None
+        if fd is None:
+            with contextlib.suppress(OSError):
+                fd = os.open(lock, os.O_RDWR)  # a killed agent's (the driver removes what it left)
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours already, or free
+                lock.unlink(missing_ok=True)
+            except BlockingIOError:
+                pass  # a live agent of the job holds it
+            finally:
+                os.close(fd)
         try:
             self.path.parent.rmdir()
         except OSError:
