@@ -257,6 +257,7 @@ class CheckpointCoordinator:
         """Give the commits in flight until their deadlines, then stop (a stuck one is left behind on its daemon thread)."""
         self.reap(wait=True)
         self._runner.close()
+        self.memory.close()
 
 
 def _wait_future(future: Future, timeout_s: float) -> None:
@@ -299,6 +300,7 @@ class MemoryTier:
         self._saved: dict[int, dict[int, dict]] = {}  # step -> rank -> record
         self._generation = 0
         self._origin: tuple[int, int] | None = None
+        self._failing: dict[int, dict] = {}  # rank -> its current run of failed snapshots (`on_failed`)
 
     def begin_generation(self, generation: int, layout: dict, world_size: int, origin: tuple[int, int] | None = None,
                          resume_step: int | None = None) -> None:
@@ -311,6 +313,7 @@ class MemoryTier:
         the same state, and a restore point when the checkpoint of s breaks
         before the new generation has a snapshot of its own.
         """
+        self.close()
         if origin is None and resume_step is not None:
             origin = (self._generation, resume_step)
         self._generation, self._origin = generation, origin
@@ -318,8 +321,36 @@ class MemoryTier:
         self._saved.clear()
         self.committed = None
 
+    def on_failed(self, rank: int, rec: dict) -> None:
+        """A rank's snapshot that failed, or whose replica did not come in time.
+
+        The first of a run of failures is a warning; the rest are counted,
+        and the run's end (the rank's next snapshot, a new generation, the
+        job's end) is one `memory_snapshots_failed` event with the count: a
+        full memory directory fails every snapshot of every rank, which must
+        not be a warning per rank and step.
+        """
+        run = self._failing.get(rank)
+        if run is not None:
+            run["last_step"], run["failed"] = rec["step"], run["failed"] + 1
+            return
+        self._failing[rank] = {"first_step": rec["step"], "last_step": rec["step"], "failed": 1, "error": rec["error"]}
+        self.events.emit("warning", kind="memory_snapshot_failed", rank=rank, step=rec["step"],
+                         message=f"rank {rank}'s memory snapshot of step {rec['step']}: {rec['error']} (the same rank's "
+                                 "failures that follow are counted in one memory_snapshots_failed event, not repeated)")
+
+    def _end_failures(self, rank: int) -> None:
+        if (run := self._failing.pop(rank, None)) is not None:
+            self.events.emit("memory_snapshots_failed", rank=rank, generation=self._generation, **run)
+
+    def close(self) -> None:
+        """End every rank's run of failed snapshots (the generation or the job ends)."""
+        for rank in sorted(self._failing):
+            self._end_failures(rank)
+
     def on_saved(self, rank: int, rec: dict) -> int | None:
         """One rank's snapshot of a step (replicated or not); returns the step when this record commits it."""
+        self._end_failures(rank)
         step = rec["step"]
         ranks = self._saved.setdefault(step, {})
         ranks[rank] = rec

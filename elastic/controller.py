@@ -314,8 +314,7 @@ class Controller:
                 if (step := self.checkpoints.memory.on_saved(rank, rec)) is not None:
                     self.group.memory_floor = (self.generation, step)  # the agents drop older snapshots
             elif rec["kind"] == "mem_failed":
-                self.events.emit("warning", kind="memory_snapshot_failed", rank=rank, step=rec["step"],
-                                 message=f"rank {rank}'s memory snapshot of step {rec['step']}: {rec['error']}")
+                self.checkpoints.memory.on_failed(rank, rec)
             elif rec["kind"] == "eval":
                 self._on_eval_record(rec, now)
             elif rec["kind"] == "ready":

@@ -44,6 +44,7 @@ which overwrites it in place: that file is the one being written next.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -171,6 +172,19 @@ class NodeMemory:
             os.close(fd)  # a sweep removed the file we locked (its directory was abandoned): lock a new one
 
     # -- a rank's writes -------------------------------------------------------------
+    def describe_failure(self, exc: BaseException) -> str:
+        """A failed snapshot's error; for a full memory directory, with its size and what it must hold."""
+        text = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            root = self.path.parent.parent
+            with contextlib.suppress(OSError):
+                st = os.statvfs(root)
+                text += (f"; the memory directory {root} ({st.f_blocks * st.f_frsize / 2**20:.1f} MiB, "
+                         f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free) is too small: a node holds up to 2 x its "
+                         "ranks' snapshots and 2 x those it keeps for another node; give checkpoint.memory_dir more room "
+                         "or set checkpoint.memory: false")
+        return text
+
     def finish(self, step: int, rank: int, generation: int, rows: list[dict], records: list[dict] = ()) -> None:
         """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically), with the rank's
         newest step records: the controller's copy of them may die with the node (see `step_records`)."""

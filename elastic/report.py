@@ -100,6 +100,7 @@ def memory_tier(enabled: bool, replicas: int, events: list[dict]) -> dict | None
         "state_bytes": state_bytes,
         "held_bytes_bound": state_bytes * (1 + replicas) * 2,
         "restores": sum(e["event"] == "recovering" and e.get("restored_from") == "memory" for e in events),
+        "snapshots_failed": sum(e["failed"] for e in events if e["event"] == "memory_snapshots_failed"),  # rank by rank
     }
 
 

@@ -438,7 +438,7 @@ class Trainer:
         try:
             future.result()
         except Exception as exc:  # noqa: BLE001 - the memory tier misses a step; training goes on
-            self.progress.record("mem_failed", step=step, error=f"{type(exc).__name__}: {exc}")
+            self.progress.record("mem_failed", step=step, error=self.memory.describe_failure(exc))
             return
         # The agent sends its node's files one at a time, in order: once this one's replica is in, no send of an
         # older file is under way.

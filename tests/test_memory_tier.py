@@ -24,6 +24,7 @@ from ckpt_utils import full_tensors
 from elastic.checkpointing import MemoryTier
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
+from elastic.report import memory_tier
 from elastic.memory import NodeMemory, rows_body, sweep_abandoned
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
@@ -390,6 +391,52 @@ def _tier(tmp_path, world=2):
     tier = MemoryTier(cfg, events)
     tier.begin_generation(1, {"pp": 1, "dp_replicate": 1, "dp_shard": world, "tp": 1}, world)
     return tier, events
+
+
+def test_a_run_of_failed_snapshots_is_one_warning_and_one_count_per_rank(tmp_path):
+    tier, events = _tier(tmp_path)
+    for step in range(2, 9):
+        for rank in (0, 1):
+            if rank == 0 or step < 5:  # rank 1's snapshots work again from step 5 on
+                tier.on_failed(rank, {"step": step, "error": "OSError: [Errno 28] No space left on device"})
+            else:
+                tier.on_saved(rank, {"step": step, "rank": rank, "bytes": 8, "save_s": 0.0, "replicated": True})
+    assert [(e["rank"], e["step"]) for e in events.of("warning")] == [(0, 2), (1, 2)]
+    assert [(e["rank"], e["first_step"], e["last_step"], e["failed"]) for e in events.of("memory_snapshots_failed")] == [(1, 2, 4, 3)]
+    tier.on_failed(1, {"step": 9, "error": "OSError: [Errno 5] Input/output error"})  # a new run: warned again
+    tier.close()  # the job ends: the runs still going are counted
+    tier.close()
+    assert [(e["rank"], e["step"]) for e in events.of("warning")] == [(0, 2), (1, 2), (1, 9)]
+    runs = [(e["rank"], e["first_step"], e["last_step"], e["failed"]) for e in events.of("memory_snapshots_failed")]
+    assert runs == [(1, 2, 4, 3), (0, 2, 8, 7), (1, 9, 9, 1)]
+    assert memory_tier(True, 1, events.events)["snapshots_failed"] == 11
+
+
+@pytest.fixture
+def full_memory_dir(tmp_path):
+    """A RAM-backed filesystem of 1 MiB: too small for the demo job's snapshots (skipped where tmpfs cannot be mounted)."""
+    path = tmp_path / "small-shm"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_memory_directory_too_small_warns_once_a_rank_says_why_and_training_goes_on(tmp_path, full_memory_dir):
+    cfg = _cfg(tmp_path, "full", **{"checkpoint.memory": "true", "checkpoint.memory_dir": str(full_memory_dir), "training.steps": 12})
+    report = run_job(cfg, [], quiet=True)
+    assert report["state"] == "FINISHED" and report["steps_completed"] == 12
+    _clean_ledger(report)
+    events = read_events(cfg.run_dir / "events.jsonl")
+    warned = [e for e in events if e["event"] == "warning" and e["kind"] == "memory_snapshot_failed"]
+    assert 1 <= len(warned) <= 4  # the ranks whose snapshots did not fit, each once
+    assert all("No space left on device" in e["message"] and f"the memory directory {full_memory_dir / 'elastic-memory'} (1.0 MiB"
+               in e["message"] and "checkpoint.memory_dir" in e["message"] for e in warned), warned[0]["message"]
+    runs = [e for e in events if e["event"] == "memory_snapshots_failed"]  # each warned run, with its count
+    assert sorted((e["rank"], e["first_step"]) for e in runs) == sorted((e["rank"], e["step"]) for e in warned)
+    assert all(1 <= e["failed"] <= e["last_step"] - e["first_step"] + 1 for e in runs)
+    assert report["memory_tier"]["snapshots_failed"] == sum(e["failed"] for e in runs) > len(runs)
 
 
 def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lost_node(tmp_path):

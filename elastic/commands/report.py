@@ -378,7 +378,8 @@ def _memory_line(m: dict) -> str:
     return (f"{m['snapshots_committed']} snapshots committed ({m.get('snapshots_replicated', 0)} also on another node; "
             f"last step {_num(m['last_committed_step'], '{}')}), "
             f"{m['restores']} restores from memory; ranks waited {_num(m['stall_s'])} s for them (inside step times); "
-            f"state {m['state_bytes'] / 2**20:.1f} MiB, nodes hold at most {m['held_bytes_bound'] / 2**20:.1f} MiB")
+            f"state {m['state_bytes'] / 2**20:.1f} MiB, nodes hold at most {m['held_bytes_bound'] / 2**20:.1f} MiB"
+            + (f"; {m['snapshots_failed']} rank snapshots failed (warnings)" if m.get("snapshots_failed") else ""))
 
 
 
