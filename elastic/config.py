@@ -316,7 +316,8 @@ class CheckpointConfig(_Section):
     )
     memory_dir: str = Field(
         "", description="With memory: the node-local directory the snapshots live in, on a RAM-backed filesystem; empty means /dev/shm "
-        "(or the temporary directory where there is none).",
+        "(or the temporary directory where there is none). It must hold 2 x this node's ranks' share of the training state, and as "
+        "much again for the share it keeps for another node (memory_replicas: 1).",
     )
     memory_replica_timeout_s: float = Field(
         30.0, gt=0, le=MAX_SECONDS,
