@@ -93,6 +93,20 @@ def owner_lock(job_dir: Path) -> Path:
     return job_dir.with_name(job_dir.name + ".lock")
 
 
+def free_lock(lock: Path) -> int | None:
+    """A descriptor that holds `lock` exclusively, where no live process holds it (its agent is gone); else None."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return None  # gone meanwhile, or not ours
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None  # a live agent holds it
+    return fd
+
+
 def sweep_abandoned(root: Path) -> list[Path]:
     """Remove the job directories under `root` (`<root>/<node id>/<job>`) whose agent is gone: their lock file is
     held by no process. Returns what it removed.
@@ -105,27 +119,12 @@ def sweep_abandoned(root: Path) -> list[Path]:
     """
     removed = []
     for lock in sorted(root.glob("*/*.lock")):
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:
-            continue  # gone meanwhile, or not ours
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live agent holds it
-        try:
-            job_dir = lock.with_suffix("")
-            shutil.rmtree(job_dir, ignore_errors=True)
-            if not job_dir.exists():
-                lock.unlink(missing_ok=True)
-                removed.append(job_dir)
-        finally:
-            os.close(fd)
-        try:
-            lock.parent.rmdir()  # the node's directory, once no job has files there
-        except OSError:
-            pass
+        if (fd := free_lock(lock)) is not None:
+            memory = NodeMemory(lock.with_suffix(""))
+            memory._owner = fd
+            memory.destroy()
+            if not memory.path.exists():
+                removed.append(memory.path)
     return removed
 
 
@@ -400,20 +399,15 @@ class NodeMemory:
     def destroy(self) -> None:
         """Remove this job's files on the node, its lock unless another live process holds it, and the node's
         directory if no other job has files there."""
+        lock = owner_lock(self.path)
+        if self._owner is None:
+            self._owner = free_lock(lock)  # a killed agent's (the driver removes what it left)
         shutil.rmtree(self.path, ignore_errors=True)
-        lock, fd = owner_lock(self.path), self._owner
-        self._owner = None
-        if fd is None:
-            with contextlib.suppress(OSError):
-                fd = os.open(lock, os.O_RDWR)  # a killed agent's (the driver removes what it left)
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours already, or free
+        if self._owner is not None:
+            if not self.path.exists():
                 lock.unlink(missing_ok=True)
-            except BlockingIOError:
-                pass  # a live agent of the job holds it
-            finally:
-                os.close(fd)
+            os.close(self._owner)
+            self._owner = None
         try:
             self.path.parent.rmdir()
         except OSError:

@@ -7,7 +7,6 @@ on an embedded multi-node Ray cluster with real process and node kills.
 """
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -25,7 +24,7 @@ from elastic.checkpointing import MemoryTier
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
 from elastic.report import memory_tier
-from elastic.memory import NodeMemory, rows_body, sweep_abandoned
+from elastic.memory import NodeMemory, free_lock, rows_body, sweep_abandoned
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
 import storage
 from storage.format import data_file
@@ -246,14 +245,10 @@ def _job_yaml(tmp_path, name: str, steps: int) -> Path:
 
 
 def _lock_free(lock: Path) -> bool:
-    fd = os.open(lock, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
+    fd = free_lock(lock)
+    if fd is not None:
         os.close(fd)
+    return fd is not None
 
 
 @pytest.mark.slow
