@@ -145,6 +145,7 @@ class NodeAgent:
         self._import_dirs = [str(ROOT)] + ([working_dir] if working_dir and os.path.isdir(working_dir) else [])
         self._children: list[_Child] = []
         self._lock = threading.Lock()  # guards _children and each child's rank, state and records
+        self._spawning = threading.Lock()  # one caller at a time decides what to start and starts it (prepare, spare)
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
         self._last_wake = 0.0  # when step records last woke the poll (monotonic)
         self._request_ids = itertools.count(1)
@@ -184,12 +185,18 @@ class NodeAgent:
 
     # -- children ----------------------------------------------------------------------
     def _spawn(self) -> _Child:
-        """Start one child (on the spawner thread) and add it; the caller holds `_lock`."""
-        taken = {g for c in self._children for g in c.gpus}
+        """Start one child (on the spawner thread) and add it; the caller holds `_spawning`, not `_lock`.
+
+        The spawner may still be starting the fork server (seconds, importing
+        torch on a busy node): a poll, or a rank's push, must not wait for it.
+        """
+        with self._lock:
+            taken = {g for c in self._children for g in c.gpus}
         gpus = [g for g in self._gpu_ids if g not in taken][: self._gpus_per_rank]
         proc, conn = self._spawner.submit(self._popen, gpus).result()
         child = _Child(proc, conn, gpus)
-        self._children.append(child)
+        with self._lock:
+            self._children.append(child)
         threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
         return child
 
@@ -349,12 +356,14 @@ class NodeAgent:
         With `spare`, also start one more now (not waited for), so that its
         start-up overlaps the others'. Returns the pids of the `n`.
         """
-        with self._lock:
-            idle = [c for c in self._children if c.rank is None and c.exit is None]
-            self._kill([c for c in self._children if c.exit is not None])
+        with self._spawning:
+            with self._lock:
+                idle = [c for c in self._children if c.rank is None and c.exit is None]
+                self._kill([c for c in self._children if c.exit is not None])
             while len(idle) < n + (1 if spare else 0):
                 idle.append(self._spawn())
-            self._kill(idle[n + keep_idle:])
+            with self._lock:
+                self._kill(idle[n + keep_idle:])
         deadline = time.monotonic() + timeout_s
         for c in idle[:n]:
             if not c.ready.wait(max(0.0, deadline - time.monotonic())):
@@ -382,10 +391,13 @@ class NodeAgent:
         return {rank: c.proc.pid for c, (rank, _) in pairs}
 
     def spare(self) -> None:
-        """Start one idle child if there is none (not waited for: it comes up while the ranks train)."""
-        with self._lock:
-            if not any(c.rank is None and c.exit is None for c in self._children):
-                self._spawn()
+        """Start one idle child if there is none (its start-up is not waited for: it comes up while the ranks train;
+        but a node's first spare waits for the agent's fork server to start)."""
+        with self._spawning:
+            with self._lock:
+                if any(c.rank is None and c.exit is None for c in self._children):
+                    return
+            self._spawn()
 
     @ray.method(enable_task_events=False)  # about one call a second: not worth a record in the GCS each
     def poll(self, generation: int, wait_s: float, memory_floor: tuple[int, int] | None = None) -> list[RankStatus]:

@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from elastic.agent import COMMAND_TIMEOUT_S, NodeAgent
+from elastic.agent import COMMAND_TIMEOUT_S, ZYGOTE_START_S, NodeAgent
 from elastic.config import JobConfig
 from elastic.layout import Layout
 from elastic.memory import NodeMemory, memory_root
@@ -49,8 +49,10 @@ a round costs two `ray.wait` calls per batch of answers instead of two per answe
 at most this much later."""
 CALL_TIMEOUT_S = COMMAND_TIMEOUT_S + 10.0
 """The deadline of an agent call that waits on its ranks only for a quick command (start, stop after a step)."""
-SPARE_TIMEOUT_S = 5.0
-"""The deadline of starting a spare (its fork; its imports are not waited for). The controller's loop does not wait for it."""
+SPARE_TIMEOUT_S = ZYGOTE_START_S + CALL_TIMEOUT_S
+"""The deadline of starting a spare. A fork is quick, but a node's first spare waits for its agent to start and for the
+agent's fork server to import torch (seconds, more on busy cores; `elastic.agent.ZYGOTE_START_S` at most). The
+controller's loop does not wait for it: only a call still unanswered after this is reported as failed."""
 REPLICA_HOST_TIMEOUT_S = 5.0
 """How long a node that holds memory replicas but no ranks may leave a call unanswered before it leaves the ring."""
 

@@ -286,10 +286,13 @@ def test_ray_job_submit_runs_elastic_end_to_end(token_cluster, tmp_path):
     assert failure["restored_from"] == "memory" and failure["lost_steps"] <= 1, failure
     # The four ranks fit on one worker node. The other gets an agent once the job's first step asks it for a warm
     # spare; from then on it holds the memory replicas of the ranks' node, mid-generation (on a GPU cluster, a job
-    # on one node of eight GPUs).
+    # on one node of eight GPUs), and keeps them: it joins the ring once and never leaves it. On very busy cores
+    # that agent can take longer to start than the first generation lasts; the second generation then starts with
+    # it in the ring.
     events = [json.loads(line) for line in (run_root / "demo" / "events.jsonl").read_text().splitlines()]
     rings = [e for e in events if e["event"] == "replica_ring"]
-    assert [(e["generation"], len(e["ring"])) for e in rings] == [(1, 2)], rings
-    commits = [e["replicated"] for e in events if e["event"] == "memory_committed" and e["generation"] == 1]
+    assert [(e["generation"], len(e["ring"])) for e in rings] in ([(1, 2)], []), rings
+    commits = [e["replicated"] for e in events if e["event"] == "memory_committed"]
     assert True in commits and all(commits[commits.index(True):]), commits
+    assert not [e for e in events if e["event"] == "warning"], "a warning in a run without trouble"
     assert report["samples"]["missing"] == 0 and report["samples"]["duplicated"] == 0
