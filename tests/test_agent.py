@@ -227,22 +227,20 @@ def test_concurrent_spare_calls_start_one_process(ray_node):
 def test_a_poll_answers_while_a_spare_waits_for_a_slow_fork_server(ray_node, tmp_path):
     # A node that holds a job's memory replicas gets its first warm spare while the job trains, and its fork server
     # can take seconds to start (importing torch on busy cores). The controller drops a replica host whose poll goes
-    # unanswered for REPLICA_HOST_TIMEOUT_S: a poll must not wait for a spawn. Here the fork server sleeps 20 s first.
+    # unanswered for REPLICA_HOST_TIMEOUT_S: a poll must not wait for a spawn. Here the fork server sleeps 6 s first.
     import ray
 
     from elastic.agent import NodeAgent
 
     (tmp_path / "sitecustomize.py").write_text(
-        "import sys, time\nif 'elastic.zygote' in sys.orig_argv:\n    time.sleep(20)\n")
+        "import sys, time\nif 'elastic.zygote' in sys.orig_argv:\n    time.sleep(6)\n")
     agent = NodeAgent.options(num_cpus=1, runtime_env={"env_vars": {"PYTHONPATH": str(tmp_path)}}).remote(1.0, 0.0)
     agent_pid = ray.get(agent.info.remote())["pid"]
     try:
         spare = agent.spare.remote()
         time.sleep(1.0)  # the spare is now waiting for the fork server
-        t0 = time.monotonic()
         assert ray.get(agent.poll.remote(1, 0.0), timeout=60) == []
-        assert time.monotonic() - t0 < 10, "the poll waited for the spare's fork server"
-        assert not ray.wait([spare], timeout=0)[0], "the fork server did not sleep: the test showed nothing"
+        assert not ray.wait([spare], timeout=0)[0], "the poll waited for the spare's fork server"
         ray.get(spare, timeout=120)
         assert len(_rank_processes_of(agent_pid)) == 1
     finally:
