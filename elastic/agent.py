@@ -56,7 +56,7 @@ from pathlib import Path
 
 import ray
 
-import storage
+from storage.catalog import commit
 from storage.format import data_file, encode_index
 from elastic.memory import NodeMemory, memory_root, sweep_abandoned
 from elastic.replica_link import ReplicaClient, ReplicaServer
@@ -586,7 +586,7 @@ class NodeAgent:
             if rows and rank not in whole:
                 self._memory.hollow(step, rows[0]["file"], rows[0]["file_bytes"])
         rows = [row for rank in sorted(rows_by_rank) for row in rows_by_rank[rank]]
-        storage.commit(self._memory.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
+        commit(self._memory.uri, step, rows, generation=generation, layout=layout, train_state=train_state)
         return {"stage_s": time.perf_counter() - t0, "held_bytes": self._memory.nbytes()}
 
     def _pull(self, c: _Child, message: Pull) -> None:

@@ -19,49 +19,34 @@ global coordinates, and `manifest.json`, written last: the commit. See
 No pickle is read or written anywhere: loading a checkpoint cannot execute code.
 """
 
-from storage.catalog import (
-    check_writable,
-    clean_incomplete,
-    corrupt_newest,
-    latest_valid,
-    list_checkpoints,
-    read_manifest,
-    remove_all,
-    retain,
-    verify,
-)
-from storage.format import CheckpointError
-from storage.lease import Lease, LeaseHeld
-from storage.reader import ReadPlanner, load_into, load_shards, load_training_state
-from storage.safetensors import SafetensorsDir, export_checkpoint, load_pretrained
-from storage.state import LocalPart, snapshot, state_tensors
-from storage.writer import BackgroundWriter, commit, gather_and_commit, write_shards
+import importlib
 
-__all__ = [
-    "BackgroundWriter",
-    "CheckpointError",
-    "Lease",
-    "LeaseHeld",
-    "LocalPart",
-    "ReadPlanner",
-    "SafetensorsDir",
-    "check_writable",
-    "clean_incomplete",
-    "commit",
-    "corrupt_newest",
-    "export_checkpoint",
-    "gather_and_commit",
-    "latest_valid",
-    "list_checkpoints",
-    "load_into",
-    "load_pretrained",
-    "load_shards",
-    "load_training_state",
-    "read_manifest",
-    "remove_all",
-    "retain",
-    "snapshot",
-    "state_tensors",
-    "verify",
-    "write_shards",
-]
+_HOMES = {
+    "storage.catalog": ("check_writable", "clean_incomplete", "commit", "corrupt_newest", "latest_valid",
+                        "list_checkpoints", "read_manifest", "remove_all", "retain", "verify"),
+    "storage.format": ("CheckpointError",),
+    "storage.lease": ("Lease", "LeaseHeld"),
+    "storage.reader": ("ReadPlanner", "load_into", "load_shards", "load_training_state"),
+    "storage.safetensors": ("SafetensorsDir", "export_checkpoint", "load_pretrained"),
+    "storage.state": ("LocalPart", "snapshot", "state_tensors"),
+    "storage.writer": ("BackgroundWriter", "gather_and_commit", "write_shards"),
+}
+"""Where each name of the package's API lives. It is imported on first use (PEP 562): the node agent reads, writes and
+commits checkpoints (`storage.format`, `storage.catalog`) in a process that never imports torch, which the reader
+and the writer do (2-3 s of CPU for each agent a job starts, on the cores its ranks start on)."""
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # the next lookup finds it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_HOME))
+
+
+__all__ = sorted(_HOME)

@@ -1,4 +1,5 @@
-"""What is under a checkpoint URI: committed checkpoints, their verification, retention and clean-up.
+"""What is under a checkpoint URI: the commit that makes a step a checkpoint, committed checkpoints, their
+verification, retention and clean-up. Nothing here imports torch (`storage.format` neither).
 
 A step directory counts as a checkpoint only when its manifest exists and
 parses. `verify` walks the whole chain of trust (manifest, index, every data
@@ -11,26 +12,96 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from storage.format import (
+    FORMAT,
     INDEX,
     MANIFEST,
+    VERSION,
     CheckpointError,
     Piece,
     align_up,
     check_coverage,
     crc32,
+    data_file_generation,
     decode_index,
     decode_manifest,
+    encode_index,
+    encode_manifest,
     parse_step_dir,
     step_dir,
 )
 from storage.fs import Store
 
 _READ_BLOCK = 16 << 20
+
+
+def commit(
+    uri: str,
+    step: int,
+    rows: list[dict],
+    *,
+    generation: int,
+    layout: dict,
+    train_state: dict,
+    storage_options: dict | None = None,
+    publish_if: Callable[[], bool] | None = None,
+) -> dict:
+    """Write the index, then the manifest (the commit); returns the manifest.
+
+    `rows` are all ranks' `write_shards` rows of `generation`, the generation
+    that commits: a row naming a file of any other generation is refused.
+    `publish_if()` is asked right before the manifest is published
+    (`Store.write_atomic`): when it says False, the commit stops with a
+    CheckpointError and the step stays uncommitted. A caller that abandons a
+    commit at its deadline fences it so: should the storage come back, the
+    commit still never lands.
+    """
+    store = Store(uri, storage_options)
+    where = store.describe(step_dir(step))
+    files: dict[str, dict] = {}
+    for row in rows:
+        written_by = data_file_generation(row["file"])
+        if written_by != generation:
+            raise CheckpointError(
+                f"{where}: a row names {row['file']!r}, not a file of generation {generation}, which commits "
+                "(a late write of another generation?)"
+            )
+        entry = {"bytes": row["file_bytes"], "crc32": row["file_crc32"]}
+        if files.setdefault(row["file"], entry) != entry:
+            raise CheckpointError(f"{where}: rows disagree about {row['file']}")
+    pieces = [Piece.from_row(r) for r in rows]
+    tensors = check_coverage(pieces, where)
+    for rel, entry in files.items():
+        try:
+            size = store.size(f"{step_dir(step)}/{rel}")
+        except FileNotFoundError:
+            raise CheckpointError(f"{where}/{rel} is missing: a rank did not finish writing") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{where}/{rel} has {size} bytes, its rank reported {entry['bytes']}")
+    index = encode_index(rows)
+    store.write(f"{step_dir(step)}/{INDEX}", [index])
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "generation": generation,
+        "created_unix": time.time(),
+        "layout": dict(layout),
+        "train_state": train_state,
+        "index": {"file": INDEX, "bytes": len(index), "crc32": crc32(index), "rows": len(rows)},
+        "files": dict(sorted(files.items())),
+        "bytes": sum(e["bytes"] for e in files.values()),
+        "tensors": dict(sorted(tensors.items())),
+    }
+    if not store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest), publish_if=publish_if):
+        raise CheckpointError(f"{where}: the commit was called off before its manifest was published")
+    store.sync_dir()  # the step directory's own entry in the root
+    return manifest
 
 
 def read_manifest(uri: str, step: int, *, storage_options: dict | None = None) -> dict:

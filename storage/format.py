@@ -25,9 +25,12 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "elastic-checkpoint"
 VERSION = 1
@@ -40,13 +43,13 @@ _DATA_FILE = re.compile(r"data/(?:g(?P<generation>[0-9]{6,})-)?rank_[0-9]{5,}\.b
 """The only names a data file may have (matched whole): inside the step directory, no `..`, no absolute path."""
 DATA_FILE_FORM = "data/gGGGGGG-rank_NNNNN.bin"
 
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "complex64": 8, "complex128": 16, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
+"""The dtypes a checkpoint stores, by torch's names, and their bytes per element (`storage.state.DTYPES` maps them
+to torch's dtypes). This module does not import torch: the node agent reads, writes and commits this format without
+it (`elastic.agent`)."""
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -93,7 +96,7 @@ def data_file_generation(name: str) -> int | None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in DTYPE_SIZES:
         raise CheckpointError(f"dtype {dtype} cannot be stored")
     return name
 
@@ -238,7 +241,7 @@ def _check_piece(p: Piece, i: int, files: dict[str, dict], where: str) -> None:
     what = f"{where}/{INDEX}: row {i} ({p.key!r})"
     if p.file not in files or not _DATA_FILE.fullmatch(p.file):
         raise CheckpointError(f"{what} points to {p.file!r}, outside the checkpoint's data files")
-    if p.dtype not in DTYPES:
+    if p.dtype not in DTYPE_SIZES:
         raise CheckpointError(f"{what} has unknown dtype {p.dtype!r}")
     if not (len(p.shape) == len(p.offsets) == len(p.lengths)) or any(
         o < 0 or n < 1 or o + n > s for o, n, s in zip(p.offsets, p.lengths, p.shape)
@@ -247,7 +250,7 @@ def _check_piece(p: Piece, i: int, files: dict[str, dict], where: str) -> None:
     numel = 1
     for n in p.lengths:
         numel *= n
-    if p.nbytes != numel * DTYPES[p.dtype].itemsize:
+    if p.nbytes != numel * DTYPE_SIZES[p.dtype]:
         raise CheckpointError(f"{what} has {p.nbytes} bytes for {numel} elements of {p.dtype}")
     if p.byte_offset < 0 or p.byte_offset + p.nbytes > files[p.file]["bytes"]:
         raise CheckpointError(

@@ -27,9 +27,9 @@ import torch
 
 from storage.boxes import Box, PieceIndex
 from storage.catalog import _manifest, read_index, unreadable
-from storage.format import ALIGN, DTYPES, CheckpointError, Piece, crc32, step_dir
+from storage.format import ALIGN, CheckpointError, Piece, crc32, step_dir
 from storage.fs import Store
-from storage.state import local_view, state_tensors, tensor_boxes
+from storage.state import DTYPES, local_view, state_tensors, tensor_boxes
 
 COALESCE_GAP = 1 << 20
 """Ranges of one file closer than this are read as one (the gap is read and dropped)."""

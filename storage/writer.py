@@ -5,7 +5,8 @@ into `data/gGGGGGG-rank_NNNNN.bin` (its generation and rank), fsyncs, and
 returns the index rows. The
 coordinator (the controller under Ray, rank 0 in a plain torch.distributed
 program via `gather_and_commit`) checks that the rows cover every tensor,
-writes the Arrow index, and then the manifest, atomically, last. Until the
+writes the Arrow index, and then the manifest, atomically, last
+(`storage.catalog.commit`, which needs no torch: a node agent commits too). Until the
 manifest exists the directory is not a checkpoint, so a crash at any point of
 a save leaves nothing that looks committed. The commit takes only files of the
 generation that commits: a late write of an earlier one (a reused process
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
@@ -25,24 +25,16 @@ import torch
 import torch.distributed as dist
 
 from storage.format import (
-    FORMAT,
-    INDEX,
-    MANIFEST,
-    VERSION,
     COMBINE_IS_CHEAP,
     CheckpointError,
-    Piece,
     align_up,
-    check_coverage,
     crc32,
     crc32_combine,
     data_file,
-    data_file_generation,
     dtype_name,
-    encode_index,
-    encode_manifest,
     step_dir,
 )
+from storage.catalog import commit
 from storage.fs import FileMaps, Store
 from storage.state import SnapshotPool, compute_done, copy_pieces, plan_writes
 
@@ -119,70 +111,6 @@ def write_shards(
     for row in rows:
         row["file_bytes"], row["file_crc32"] = offset, file_crc
     return rows
-
-
-def commit(
-    uri: str,
-    step: int,
-    rows: list[dict],
-    *,
-    generation: int,
-    layout: dict,
-    train_state: dict,
-    storage_options: dict | None = None,
-    publish_if: Callable[[], bool] | None = None,
-) -> dict:
-    """Write the index, then the manifest (the commit); returns the manifest.
-
-    `rows` are all ranks' `write_shards` rows of `generation`, the generation
-    that commits: a row naming a file of any other generation is refused.
-    `publish_if()` is asked right before the manifest is published
-    (`Store.write_atomic`): when it says False, the commit stops with a
-    CheckpointError and the step stays uncommitted. A caller that abandons a
-    commit at its deadline fences it so: should the storage come back, the
-    commit still never lands.
-    """
-    store = Store(uri, storage_options)
-    where = store.describe(step_dir(step))
-    files: dict[str, dict] = {}
-    for row in rows:
-        written_by = data_file_generation(row["file"])
-        if written_by != generation:
-            raise CheckpointError(
-                f"{where}: a row names {row['file']!r}, not a file of generation {generation}, which commits "
-                "(a late write of another generation?)"
-            )
-        entry = {"bytes": row["file_bytes"], "crc32": row["file_crc32"]}
-        if files.setdefault(row["file"], entry) != entry:
-            raise CheckpointError(f"{where}: rows disagree about {row['file']}")
-    pieces = [Piece.from_row(r) for r in rows]
-    tensors = check_coverage(pieces, where)
-    for rel, entry in files.items():
-        try:
-            size = store.size(f"{step_dir(step)}/{rel}")
-        except FileNotFoundError:
-            raise CheckpointError(f"{where}/{rel} is missing: a rank did not finish writing") from None
-        if size != entry["bytes"]:
-            raise CheckpointError(f"{where}/{rel} has {size} bytes, its rank reported {entry['bytes']}")
-    index = encode_index(rows)
-    store.write(f"{step_dir(step)}/{INDEX}", [index])
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "generation": generation,
-        "created_unix": time.time(),
-        "layout": dict(layout),
-        "train_state": train_state,
-        "index": {"file": INDEX, "bytes": len(index), "crc32": crc32(index), "rows": len(rows)},
-        "files": dict(sorted(files.items())),
-        "bytes": sum(e["bytes"] for e in files.values()),
-        "tensors": dict(sorted(tensors.items())),
-    }
-    if not store.write_atomic(f"{step_dir(step)}/{MANIFEST}", encode_manifest(manifest), publish_if=publish_if):
-        raise CheckpointError(f"{where}: the commit was called off before its manifest was published")
-    store.sync_dir()  # the step directory's own entry in the root
-    return manifest
 
 
 def gather_and_commit(

@@ -6,7 +6,7 @@ import torch
 
 import storage
 from storage.catalog import read_index
-from storage.format import DTYPES
+from storage.state import DTYPES
 from storage.fs import Store
 
 

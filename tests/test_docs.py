@@ -57,7 +57,8 @@ import torch
 
 import storage
 from elastic.cli import build_parser, main as cli_main
-from storage.format import DTYPES, data_file, step_dir
+from storage.format import data_file, step_dir
+from storage.state import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "deploy" / "README.md"]

@@ -112,3 +112,18 @@ def test_a_warmed_rank_process_builds_its_first_model_without_importing_anything
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_node_agent_and_what_it_commits_import_no_torch():
+    """A job starts an agent per node, on the cores its ranks start on: torch (2-3 s of CPU) is the ranks' and their
+    fork server's import, not the agent's, which reads, writes and commits checkpoints of its node's memory."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, elastic.agent, storage\n"
+        "storage.commit, storage.CheckpointError, storage.verify\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -82,6 +82,15 @@ def test_chunk_bounds_follow_torch_chunk():
             assert list(range(a, b)) == expected
 
 
+def test_the_stored_dtypes_sizes_are_torchs():
+    # storage.format checks each piece's byte count without importing torch: its table must agree with torch's.
+    from storage.format import DTYPE_SIZES
+    from storage.state import DTYPES
+
+    assert {name: dtype.itemsize for name, dtype in DTYPES.items()} == DTYPE_SIZES
+    assert all(str(dtype) == f"torch.{name}" for name, dtype in DTYPES.items())
+
+
 def test_split_rows_and_intersect():
     from storage.boxes import Box
 
@@ -321,7 +330,7 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     import torch
     import storage
-    from storage import fs as sfs, writer
+    from storage import catalog, fs as sfs
 
     uri, point = sys.argv[1], sys.argv[2]
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -339,7 +348,7 @@ _KILLER = textwrap.dedent(
     if point == "data":
         sfs.Store.write = partial_write
     elif point == "before_index":
-        writer.encode_index = lambda rows: die()
+        catalog.encode_index = lambda rows: die()
     elif point == "before_manifest":
         sfs.Store.write_atomic = lambda self, rel, data, **kwargs: die()
     elif point == "manifest_rename":
