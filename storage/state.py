@@ -34,6 +34,7 @@ from storage.format import DTYPE_SIZES
 
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 """The stored dtypes' torch dtypes, by the names a checkpoint's index gives them."""
+
 PIECE_BYTES = 16 << 20
 """Stored pieces are cut along their first dimension to at most this size: a reshard reads at most this much extra per box edge."""
 

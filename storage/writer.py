@@ -6,9 +6,9 @@ returns the index rows. The
 coordinator (the controller under Ray, rank 0 in a plain torch.distributed
 program via `gather_and_commit`) checks that the rows cover every tensor,
 writes the Arrow index, and then the manifest, atomically, last
-(`storage.catalog.commit`, which needs no torch: a node agent commits too). Until the
-manifest exists the directory is not a checkpoint, so a crash at any point of
-a save leaves nothing that looks committed. The commit takes only files of the
+(`storage.catalog.commit`, which needs no torch: a node agent commits too).
+Until the manifest exists the directory is not a checkpoint, so a crash at
+any point of a save leaves nothing that looks committed. The commit takes only files of the
 generation that commits: a late write of an earlier one (a reused process
 still writing in the background) has a name of its own and is never listed.
 """
