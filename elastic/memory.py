@@ -53,11 +53,11 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from storage.format import CheckpointError, crc32, data_file, data_file_generation, parse_step_dir, step_dir
-from storage.fs import Store, _pwrite_all
+from storage.fs import FileMaps, Store, _pwrite_all
 
 _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
 CLAIM_TIMEOUT_S = 30.0
@@ -282,11 +282,14 @@ class NodeMemory:
     def read(self, step: int, rel: str) -> bytes:
         return self.store.read(f"{step_dir(step)}/{rel}")
 
-    def put_file(self, step: int, rank: int, generation: int, buffers: Iterable | None, body: bytes) -> None:
-        """Hold a replica of another node's file (None: its rank had nothing to store), then its rows file's `body`
-        as it was there (`rows_body`): the replica is then complete, as if its rank had written it here."""
-        if buffers is not None:
-            self.store.write(f"{step_dir(step)}/{data_file(rank, generation)}", buffers, durable=False)
+    def put_file(self, step: int, rank: int, generation: int, nbytes: int | None, fill: Callable[[memoryview], None],
+                 body: bytes, maps: FileMaps) -> None:
+        """Hold a replica of another node's file, `nbytes` that `fill(view)` writes into its map (None: its rank had
+        nothing to store), then its rows file's `body` as it was there (`rows_body`): the replica is then complete,
+        as if its rank had written it here. `maps` keeps the maps from one replica to the next (`keep_two` hands
+        each rank's dropped file to its next replica)."""
+        if nbytes is not None:
+            self.store.fill_mapped(f"{step_dir(step)}/{data_file(rank, generation)}", nbytes, fill, maps)
         self._publish_rows(step, rank, generation, body)
 
     def read_ranges(self, step: int, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:

@@ -5,8 +5,10 @@ and the object store's machinery (the bytes go through plasma on both
 nodes); measured on the strategies benchmark's 4-rank job, replicating every
 step that way took a quarter of a core from the ranks' training. Over one
 TCP connection per peer the sender hands the file to the kernel
-(`socket.sendfile`) and the receiver writes what it reads into its node's
-memory directory: no serialisation, no object store.
+(`socket.sendfile`) and the receiver reads it straight into a map of its
+file in its node's memory directory (`storage.fs.FileMaps`, kept from one
+replica to the next): one copy, from the kernel into the file; no
+serialisation, no object store.
 
 Each agent that replicates listens on its node's address (127.0.0.1 on the
 embedded cluster); a connection must open with the job's secret (handed to
@@ -37,10 +39,13 @@ from pathlib import Path
 
 from elastic.memory import NodeMemory
 from elastic.sched import idle_this_thread
+from storage.fs import FileMaps
 
 SECRET_BYTES = 32
 _LEN = struct.Struct("!Q")
 _CHUNK = 1 << 20
+_MAPS_KEPT = 64
+"""Maps a connection keeps: two files per rank of the sending node (`storage.fs.FileMaps`; those of files gone are closed)."""
 _MAX_HEADER = 16 << 20  # a header is a few index rows per piece; anything larger is not a peer's
 
 
@@ -55,6 +60,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _discard(sock: socket.socket, n: int) -> None:
+    """Read `n` bytes off the link and drop them."""
+    scratch = memoryview(bytearray(min(n, _CHUNK)))
+    while n:
+        k = sock.recv_into(scratch, min(n, _CHUNK))
+        if k == 0:
+            raise ConnectionError("the peer closed the replication link")
+        n -= k
+
+
 def _send_msg(sock: socket.socket, obj: dict, tail: bytes = b"") -> None:
     data = json.dumps(obj).encode()
     sock.sendall(_LEN.pack(len(data)) + data + tail)
@@ -65,26 +80,6 @@ def _recv_msg(sock: socket.socket) -> dict:
     if n > _MAX_HEADER:
         raise ConnectionError(f"a replication message of {n} bytes is not a peer's")
     return json.loads(_recv_exact(sock, n))
-
-
-class _FileBuffer:
-    """A connection's receive buffer: each file is received whole into it, each chunk into its own part.
-
-    The writer may hold a chunk until it has more to hand the kernel at once
-    (`storage.fs._write_plain`), so no chunk of a file may be overwritten
-    before the file is written; the next file, received after that, reuses
-    the buffer. Kept as large as the largest file so far (a rank's file,
-    a few MB) rather than allocated and zeroed per file (measured alone:
-    3.6 -> 3.5 ms of CPU for a 3.3 MB replica, both ends together).
-    """
-
-    def __init__(self):
-        self._buf = bytearray()
-
-    def view(self, nbytes: int) -> memoryview:
-        if len(self._buf) < nbytes:
-            self._buf = bytearray(nbytes)
-        return memoryview(self._buf)[:nbytes]
 
 
 class ReplicaServer:
@@ -106,46 +101,44 @@ class ReplicaServer:
 
     def _serve(self, conn: socket.socket) -> None:
         idle_this_thread()  # as the sender's (elastic.sched.idle_this_thread)
+        maps = FileMaps(keep=_MAPS_KEPT)
         with conn:
             try:
                 if not hmac.compare_digest(_recv_exact(conn, SECRET_BYTES), self._secret):
                     return
-                buffer = _FileBuffer()
                 while True:
                     header = _recv_msg(conn)
                     try:
-                        self._take(conn, header, buffer)
+                        self._take(conn, header, maps)
                         _send_msg(conn, {"ok": True})
                     except OSError as exc:  # this node could not store it (memory full): the sender learns why
                         _send_msg(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             except (OSError, ValueError, ConnectionError):
                 return  # the peer went, or sent something that is not a frame: its next send reconnects
+            finally:
+                maps.close()
 
-    def _take(self, conn: socket.socket, header: dict, buffer: _FileBuffer) -> None:
+    def _take(self, conn: socket.socket, header: dict, maps: FileMaps) -> None:
         step, rank, generation = int(header["step"]), int(header["rank"]), int(header["generation"])
         if not 0 <= int(header["body_bytes"]) <= _MAX_HEADER:
             raise ConnectionError(f"a rows file of {header['body_bytes']} bytes is not a peer's")
         body = _recv_exact(conn, int(header["body_bytes"]))
-        left = int(header["nbytes"] or 0)
+        nbytes = None if header["nbytes"] is None else int(header["nbytes"])
+        left = nbytes or 0
 
-        whole = buffer.view(left)
-
-        def chunks():
+        def fill(view: memoryview) -> None:  # the file, off the link, straight into its map
             nonlocal left
             while left:
-                at = len(whole) - left
-                n = conn.recv_into(whole[at:], min(_CHUNK, left))
+                n = conn.recv_into(view[len(view) - left:], left)
                 if not n:
                     raise ConnectionError("the peer closed the replication link mid-file")
                 left -= n
-                yield whole[at:at + n]
 
         try:
             self._memory.keep_two(rank, generation, step)  # first: the file it drops becomes this one (NodeMemory.keep_two)
-            self._memory.put_file(step, rank, generation, None if header["nbytes"] is None else chunks(), body)
+            self._memory.put_file(step, rank, generation, nbytes, fill, body, maps)
         finally:
-            for _ in chunks():  # a write that failed part-way: read the rest of the file off the link, to stay in step
-                pass
+            _discard(conn, left)  # a write that failed before its end (memory full): the rest of the file, to stay in step
 
     def close(self) -> None:
         self._sock.close()

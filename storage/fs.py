@@ -126,10 +126,17 @@ class Store:
         if self.local is None:
             self.write(rel, buffers, durable=False)
             return
+        self.fill_mapped(rel, size, lambda view: _copy_into(view, buffers), maps)
+
+    def fill_mapped(self, rel: str, size: int, fill: Callable[[memoryview], None], maps: FileMaps) -> None:
+        """Overwrite a local file with `size` bytes that `fill(view)` writes straight into its map (a socket's
+        `recv_into`: no buffer between the kernel and the file), which `maps` keeps from one write to the next."""
+        if self.local is None:
+            raise ValueError(f"{self.describe(rel)} is not a local file: it has no map to fill")
         with self._parent(rel, create=True) as (dir_fd, name):
             fd = _open_at(dir_fd, name, os.O_RDWR | os.O_CREAT, rel)
             try:
-                maps.write(fd, size, buffers)
+                maps.fill(fd, size, fill)
             finally:
                 os.close(fd)
 
@@ -676,6 +683,22 @@ def _write_plain(dir_fd: int, name: str, shown: str, buffers: Iterable) -> int:
     return size
 
 
+def _copy_into(target: memoryview, buffers: Iterable) -> None:
+    """Copy `buffers`, back to back, into all of `target` (each copy releases the GIL)."""
+    out, pos = numpy.frombuffer(target, dtype=numpy.uint8), 0
+    try:
+        for buf in buffers:
+            view = numpy.frombuffer(memoryview(buf).cast("B"), dtype=numpy.uint8)
+            if pos + view.nbytes > out.nbytes:
+                raise ValueError(f"more than the {out.nbytes} bytes announced")
+            numpy.copyto(out[pos : pos + view.nbytes], view)
+            pos += view.nbytes
+    finally:
+        del out  # nothing may view the target once this returns
+    if pos != target.nbytes:
+        raise ValueError(f"{pos} bytes written of the {target.nbytes} announced")
+
+
 class FileMaps:
     """Writable maps of the files a writer overwrites again and again (a rank's memory-tier files), kept between writes.
 
@@ -695,6 +718,11 @@ class FileMaps:
 
     def write(self, fd: int, size: int, buffers: Iterable) -> int:
         """Overwrite the file open as `fd` (which stays the caller's) with `buffers`, `size` bytes in all; returns `size`."""
+        return self.fill(fd, size, lambda view: _copy_into(view, buffers))
+
+    def fill(self, fd: int, size: int, fill: Callable[[memoryview], None]) -> int:
+        """Overwrite the file open as `fd` (which stays the caller's) with `size` bytes: `fill(view)` writes every
+        byte of the map's writable view, and keeps no reference to it. Returns `size`."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         held = self._maps.pop(key, None)
@@ -708,18 +736,11 @@ class FileMaps:
             held = (own, mmap.mmap(own, size) if size else None)
         self._maps[key] = held  # the newest last
         self._trim()
-        target, pos = numpy.frombuffer(held[1] or b"", dtype=numpy.uint8), 0
+        view = memoryview(held[1] if held[1] is not None else bytearray())
         try:
-            for buf in buffers:
-                view = numpy.frombuffer(memoryview(buf).cast("B"), dtype=numpy.uint8)
-                if pos + view.nbytes > size:
-                    raise ValueError(f"more than the {size} bytes announced")
-                numpy.copyto(target[pos : pos + view.nbytes], view)
-                pos += view.nbytes
+            fill(view)
         finally:
-            del target  # the map can close only once nothing views it
-        if pos != size:
-            raise ValueError(f"{pos} bytes written of the {size} announced")
+            view.release()  # the map can close only once nothing views it
         return size
 
     def _trim(self) -> None:

@@ -46,6 +46,16 @@ def _write(mem: NodeMemory, step: int, rank: int, generation: int = 1, value: fl
     return rows
 
 
+def _replicate(own: NodeMemory, peer: NodeMemory, step: int, rank: int, body: bytes) -> None:
+    """Hold on `peer` a replica of `rank`'s file of `step` on `own`, as its replication link would."""
+    data = own.read(step, data_file(rank, 1))
+    maps = FileMaps()
+    try:
+        peer.put_file(step, rank, 1, len(data), lambda view: view.__setitem__(slice(None), data), body, maps)
+    finally:
+        maps.close()
+
+
 def test_a_rank_keeps_its_newest_whole_snapshot_and_the_one_it_writes(tmp_path):
     mem = NodeMemory(tmp_path / "node")
     for step in (1, 2, 3):
@@ -141,9 +151,8 @@ def test_the_replication_link_lands_a_whole_replica_and_refuses_a_stranger(tmp_p
 
 
 def test_a_replica_of_many_chunks_lands_byte_for_byte_and_verifies(tmp_path):
-    # A file several of the link's chunks long: the receiver's writer holds chunks until it has a batch for the
-    # kernel, so a chunk received into a reused buffer would overwrite one not yet written (the demo's replicas
-    # failed their CRC-32 that way).
+    # A file several of the link's chunks long, received straight into the map of its file on the peer, lands
+    # byte for byte (once, a receive buffer reused too early made the demo's replicas fail their CRC-32).
     from elastic.replica_link import _CHUNK
     with _link(tmp_path) as (here, there, client, server):
         here.keep_two(0, 1, 1)
@@ -153,7 +162,7 @@ def test_a_replica_of_many_chunks_lands_byte_for_byte_and_verifies(tmp_path):
         client.send(here.file_path(1, rows), 1, 0, 1, here.rows_body(1, 0, 1))
         assert there.verify(1, 0, rows) is None
         assert (there.path / "step_00000001" / rows[0]["file"]).read_bytes() == here.file_path(1, rows).read_bytes()
-        # The connection's buffer is reused: a smaller file after it, then a larger one, land whole too.
+        # The peer overwrites the files it drops (and keeps their maps): a smaller file, then a larger one, land whole too.
         for step, numel in ((2, 1000), (3, 3 * _CHUNK)):
             here.keep_two(0, 1, step)
             rows = storage.write_shards(here.uri, step, 0, {"model.w": torch.randn(numel)}, generation=1, durable=False)
@@ -191,9 +200,10 @@ def test_destroy_removes_the_jobs_files_and_an_emptied_node_directory_but_not_an
 _HOLDER = """
 import sys, time
 from elastic.memory import NodeMemory, rows_body
+from storage.fs import FileMaps
 mem = NodeMemory(sys.argv[1])
 mem.claim()
-mem.put_file(1, 0, 1, [b"x" * 4096], rows_body([]))
+mem.put_file(1, 0, 1, 4096, lambda view: view.__setitem__(slice(None), b"x" * 4096), rows_body([]), FileMaps())
 print("held", flush=True)
 time.sleep(600)
 """
@@ -439,7 +449,7 @@ def test_restore_takes_the_newest_step_whole_somewhere_and_a_replica_covers_a_lo
     for step in (6, 7):
         for rank, own, peer in ((0, a, b), (1, b, a)):
             rows = _write(own, step, rank)
-            peer.put_file(step, rank, 1, [own.read(step, rows[0]["file"])], rows_body(rows))
+            _replicate(own, peer, step, rank, rows_body(rows))
     _write(a, 8, rank=0)  # rank 1 died writing step 8: not whole anywhere
     tier, events = _tier(tmp_path)
     point = tier.find(_Agents({"b": b}), newer_than=4, train_state=lambda s: {"step": s, "data": {"position": 16 * s}})
@@ -458,7 +468,7 @@ def test_a_step_past_the_controllers_records_is_restored_only_when_its_files_fil
             rows = _write(own, step, rank)
             records = [{"kind": "step", "step": step - 1, "rank": rank}]
             own.finish(step, rank, 1, rows, records)
-            peer.put_file(step, rank, 1, [own.read(step, rows[0]["file"])], rows_body(rows, records))
+            _replicate(own, peer, step, rank, rows_body(rows, records))
     agents = _Agents({"b": b})
     agents.memory_records = lambda generation, step, holders: {
         r: b.step_records(generation, step)[r] for r, node in holders.items() if node == "b"}
@@ -509,7 +519,7 @@ def test_a_corrupt_copy_is_skipped_for_another_and_no_good_copy_means_durable(tm
     a, b = NodeMemory(tmp_path / "a"), NodeMemory(tmp_path / "b")
     for rank, own, peer in ((0, a, b), (1, b, a)):
         rows = _write(own, 3, rank)
-        peer.put_file(3, rank, 1, [own.read(3, rows[0]["file"])], rows_body(rows))
+        _replicate(own, peer, 3, rank, rows_body(rows))
     tier, events = _tier(tmp_path)
     a.corrupt(seed=1)
     point = tier.find(_Agents({"a": a, "b": b}), newer_than=None, train_state=lambda s: {"data": {"position": 0}})
