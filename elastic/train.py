@@ -406,15 +406,17 @@ class Trainer:
         self._memory_settled()
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
-        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, list(self._memory_records),
+        ready = storage.compute_done(tensors)  # here: after the optimizer step's kernels, before the next step's
+        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, ready, list(self._memory_records),
                                                                self._memory_reuse))
 
-    def _write_memory(self, step: int, tensors: dict, records: list[dict], reuse: bool) -> None:
+    def _write_memory(self, step: int, tensors: dict, ready: "torch.cuda.Event | None", records: list[dict], reuse: bool) -> None:
         """On the memory writer's thread: drop the older files, write the pieces, mark them complete, tell the agent
-        (which replicates them). Retention lists the node's directory: a millisecond kept off the training thread."""
+        (which replicates them). Retention lists the node's directory: a millisecond kept off the training thread.
+        `ready`: the training thread's `storage.compute_done` (None on the CPU)."""
         t0 = time.time()
         if self.device.type == "cuda":
-            data = storage.snapshot(tensors, pool=self._memory_buffers, layout_cache=self._memory_layout)
+            data = storage.snapshot(tensors, pool=self._memory_buffers, layout_cache=self._memory_layout, ready=ready)
         else:
             data = tensors
         self.memory.keep_two(self.rank, self.spec.generation, step, reuse=reuse)

@@ -28,7 +28,7 @@ _HOMES = {
     "storage.lease": ("Lease", "LeaseHeld"),
     "storage.reader": ("ReadPlanner", "load_into", "load_shards", "load_training_state"),
     "storage.safetensors": ("SafetensorsDir", "export_checkpoint", "load_pretrained"),
-    "storage.state": ("LocalPart", "snapshot", "state_tensors"),
+    "storage.state": ("LocalPart", "compute_done", "snapshot", "state_tensors"),
     "storage.writer": ("BackgroundWriter", "gather_and_commit", "write_shards"),
 }
 """Where each name of the package's API lives. It is imported on first use (PEP 562): the node agent reads, writes and

@@ -312,15 +312,19 @@ class SnapshotPool:
         self._free, self._used = self._used, {}
 
 
-def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = None, layout_cache: dict | None = None) -> dict[str, LocalPart]:
+def snapshot(tensors: dict[str, torch.Tensor], *, pool: SnapshotPool | None = None, layout_cache: dict | None = None,
+             ready: "torch.cuda.Event | None" = None) -> dict[str, LocalPart]:
     """A CPU copy of what this rank will write (pinned when the data is on a GPU).
 
     Training may change the live tensors as soon as this returns; a
     `write_shards` of the snapshot can then run in a background thread. With a
     `pool`, the copies go into the buffers of the pool's previous snapshot
     (which must be written by now) and this snapshot's buffers become the pool.
+    Called on a thread other than the training thread, pass `ready`: the
+    training thread's `compute_done(tensors)`, taken when the state was whole;
+    an event taken here would also wait for whatever training queued since.
     """
-    return copy_pieces(plan_writes(tensors, layout_cache), pool=pool, ready=compute_done(tensors))
+    return copy_pieces(plan_writes(tensors, layout_cache), pool=pool, ready=ready if ready is not None else compute_done(tensors))
 
 
 def compute_done(tensors: dict[str, torch.Tensor]) -> "torch.cuda.Event | None":
