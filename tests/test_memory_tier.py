@@ -12,20 +12,27 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from chaos_checks import rel_diff
 from ckpt_utils import full_tensors
+from distributed import free_port
 from elastic.checkpointing import MemoryTier
+from elastic.config import load_config
 from elastic.events import EventLog, read_events
 from elastic.job import run_job
+from elastic.layout import Layout
 from elastic.report import memory_tier
 from elastic.memory import NodeMemory, free_lock, rows_body, sweep_abandoned
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
+from elastic.train import Progress, RankSpec, Trainer
 import storage
 from storage.format import data_file
 from storage.fs import FileMaps
@@ -660,3 +667,40 @@ def test_a_job_left_on_one_node_keeps_its_replicas_on_another_node_that_is_up(tm
     assert one_node and all(e["replicated"] for e in one_node), one_node  # the one-node generation's steps had replicas
     _clean_ledger(report)
     assert not any((tmp_path / "node-memory" / "elastic-memory").glob("*/*")), "the job leaves no snapshot behind"
+
+
+def test_a_snapshots_copy_waits_for_the_optimizer_step_it_follows_not_for_the_next_steps_work(tmp_path, monkeypatch):
+    # On a GPU a memory snapshot is copied to pinned host memory on a side stream, which first waits for an event
+    # marking the optimizer step's kernels done (storage.compute_done). The event must be taken on the training
+    # thread right after that step: taken later on the snapshot writer's thread, it would also wait for the next
+    # step's forward and backward, queued meanwhile. On the CPU the event is None; which thread asks is the contract
+    # this checks, with the real Trainer on a gloo world of one.
+    cfg = load_config(None, [f"checkpoint.uri={tmp_path / 'ckpt'}", "checkpoint.memory=true", "checkpoint.memory_replicas=0",
+                             f"checkpoint.memory_dir={tmp_path / 'memory'}", "training.steps=5", "training.global_batch=4",
+                             "training.micro_batch=4", "scaling.num_workers=1"])
+    node = NodeMemory(tmp_path / "memory" / "node" / "job")
+    spec = RankSpec(config=cfg.model_dump(mode="json"), layout=Layout().as_dict(), rank=0, generation=1, memory_dir=node.uri)
+    asked: list[str] = []
+    real = storage.state.compute_done
+
+    def compute_done(tensors):
+        asked.append(threading.current_thread().name)
+        return real(tensors)
+
+    monkeypatch.setattr(storage, "compute_done", compute_done)
+    monkeypatch.setattr(storage.state, "compute_done", compute_done)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        progress = Progress()
+        trainer = Trainer(spec, progress)
+        runner = threading.Thread(target=trainer.run, name="training", daemon=True)
+        runner.start()
+        runner.join(120)
+        assert not runner.is_alive()
+    finally:
+        dist.destroy_process_group()
+    saved = [r["step"] for r in progress.drain() if r["kind"] == "mem_saved"]
+    assert saved == [1, 2, 3, 4], saved  # a snapshot after every step but the last (the durable save has it)
+    assert len(asked) >= len(saved) and set(asked) == {"training"}, asked  # (the final durable save asks too)
+    assert sorted(node.inventory()) == [(1, 3), (1, 4)]
