@@ -45,7 +45,8 @@ SECRET_BYTES = 32
 _LEN = struct.Struct("!Q")
 _CHUNK = 1 << 20
 _MAPS_KEPT = 64
-"""Maps a connection keeps: two files per rank of the sending node (`storage.fs.FileMaps`; those of files gone are closed)."""
+"""Maps a connection keeps (`storage.fs.FileMaps`; those of files gone are closed): two files per rank of the sending
+node, for up to 32 ranks a node."""
 _MAX_HEADER = 16 << 20  # a header is a few index rows per piece; anything larger is not a peer's
 
 

@@ -700,7 +700,8 @@ def _copy_into(target: memoryview, buffers: Iterable) -> None:
 
 
 class FileMaps:
-    """Writable maps of the files a writer overwrites again and again (a rank's memory-tier files), kept between writes.
+    """Writable maps of the files a writer overwrites again and again (a rank's memory-tier files, the replicas a node
+agent receives), kept between writes.
 
     Storing through a map is a plain copy: no system call, no page-cache
     lookup per page, as a `pwritev` has (measured alone on a 7 MB snapshot of
@@ -715,10 +716,6 @@ class FileMaps:
     def __init__(self, keep: int = 2):
         self._keep = keep
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}  # by (device, inode): own descriptor, map
-
-    def write(self, fd: int, size: int, buffers: Iterable) -> int:
-        """Overwrite the file open as `fd` (which stays the caller's) with `buffers`, `size` bytes in all; returns `size`."""
-        return self.fill(fd, size, lambda view: _copy_into(view, buffers))
 
     def fill(self, fd: int, size: int, fill: Callable[[memoryview], None]) -> int:
         """Overwrite the file open as `fd` (which stays the caller's) with `size` bytes: `fill(view)` writes every

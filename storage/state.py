@@ -334,8 +334,7 @@ def compute_done(tensors: dict[str, torch.Tensor]) -> "torch.cuda.Event | None":
     from another thread without reading state the queued kernels still write.
     """
     for t in tensors.values():
-        t = t.to_local() if isinstance(t, DTensor) else t
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if isinstance(t, torch.Tensor) and t.is_cuda:  # a DTensor has its local tensor's device: no `to_local` per tensor
             return torch.cuda.current_stream(t.device).record_event()
     return None
 
