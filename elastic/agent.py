@@ -40,6 +40,7 @@ child's own `lock`), each with an id its reply must match.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -131,6 +132,13 @@ def _describe_exit(code: int | None) -> str:
     return f"rank process exited with code {code}"
 
 
+def _stop(zygote: Zygote) -> None:
+    """Kill a fork server and reap it (its forks die with it: their parent-death signal)."""
+    zygote.proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        zygote.proc.wait(timeout=5)
+
+
 @ray.remote(max_restarts=0, max_concurrency=8)
 class NodeAgent:
     def __init__(self, cpus_per_rank: float, gpus_per_rank: float, working_dir: str = "", memory: dict | None = None, loopback: bool = False):
@@ -145,6 +153,7 @@ class NodeAgent:
         self._import_dirs = [str(ROOT)] + ([working_dir] if working_dir and os.path.isdir(working_dir) else [])
         self._children: list[_Child] = []
         self._lock = threading.Lock()  # guards _children and each child's rank, state and records
+        self._closed = False  # `shutdown` was called: a spawn under way kills what it started, and nothing new starts
         self._spawning = threading.Lock()  # one caller at a time decides what to start and starts it (prepare, spare)
         self._changed = threading.Event()  # a child pushed records, ended, or died: wake the waiting poll
         self._last_wake = 0.0  # when step records last woke the poll (monotonic)
@@ -196,11 +205,17 @@ class NodeAgent:
         proc, conn = self._spawner.submit(self._popen, gpus).result()
         child = _Child(proc, conn, gpus)
         with self._lock:
+            if self._closed:  # shut down while it started (the fork server may take seconds): nothing outlives shutdown
+                proc.kill()
+                conn.close()
+                raise RuntimeError("the node agent is shutting down")
             self._children.append(child)
         threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
         return child
 
     def _popen(self, gpus: list[str]) -> tuple[subprocess.Popen | ForkedRank, Connection]:
+        if self._closed:
+            raise RuntimeError("the node agent is shutting down")
         if self._zygote is not None and not self._zygote.alive and self._zygote_restarts < ZYGOTE_RESTARTS:
             self._zygote_restarts += 1
             print(f"elastic: the rank fork server ended (status {self._zygote.proc.wait()}), its ranks with it; starting"
@@ -239,10 +254,16 @@ class NodeAgent:
 
         One that fails to start is not tried again: its start may have taken `ZYGOTE_START_S`."""
         try:
-            self._zygote = Zygote(self._child_env([]), ZYGOTE_START_S)
+            zygote = Zygote(self._child_env([]), ZYGOTE_START_S)
         except (OSError, RuntimeError, TimeoutError) as exc:
             self._zygote = None
             print(f"elastic: rank processes start without a fork server: {exc}", file=sys.stderr, flush=True)
+            return
+        with self._lock:
+            self._zygote = zygote
+            closed = self._closed
+        if closed:  # `shutdown` came while it started
+            _stop(zygote)
 
     def _read(self, c: _Child) -> None:
         """Everything a child sends: readiness, pushed state, command replies; and its end."""
@@ -458,8 +479,17 @@ class NodeAgent:
         return kept
 
     def shutdown(self) -> None:
+        """Kill the ranks and the fork server, close the replication links, remove the node's memory-tier files.
+
+        A spawn under way (a spare waiting for a slow fork server) kills what
+        it starts once it has started it, and nothing starts after this.
+        """
         with self._lock:
+            self._closed = True
             self._kill(list(self._children))
+            zygote = self._zygote
+        if zygote is not None:
+            _stop(zygote)
         for link in (self._peer, self._replica_server):
             if link is not None:
                 link.close()

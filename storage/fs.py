@@ -708,7 +708,9 @@ agent receives), kept between writes.
     84 pieces, checksums included: 0.63 ms of CPU against 1.02 ms). The copy
     releases the GIL, as a system call does. A new map's pages are allocated
     first (`posix_fallocate`): on a full RAM-backed filesystem that is an
-    ENOSPC error there, never a SIGBUS in the middle of a copy. At most `keep`
+    ENOSPC error there, never a SIGBUS in the middle of a copy. A file that
+    cannot be mapped (a filesystem without shared maps) is filled through a
+    buffer and written instead. At most `keep`
     maps are kept (the newest used), and none of a file that is gone, whose
     pages would otherwise outlive it.
     """
@@ -730,7 +732,11 @@ agent receives), kept between writes.
             os.posix_fallocate(fd, 0, max(size, 1))
             os.ftruncate(fd, size)
             own = os.dup(fd)
-            held = (own, mmap.mmap(own, size) if size else None)
+            try:
+                held = (own, mmap.mmap(own, size) if size else None)
+            except OSError:  # a filesystem without shared maps (some FUSE and network ones): written as a file
+                os.close(own)
+                return _fill_written(fd, size, fill)
         self._maps[key] = held  # the newest last
         self._trim()
         view = memoryview(held[1] if held[1] is not None else bytearray())
@@ -755,6 +761,18 @@ agent receives), kept between writes.
     def close(self) -> None:
         while self._maps:
             self._close(self._maps.popitem()[1])
+
+
+def _fill_written(fd: int, size: int, fill: Callable[[memoryview], None]) -> int:
+    """`FileMaps.fill` where the file cannot be mapped: `fill` writes into a buffer, which is then written out."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    try:
+        fill(view)
+        _pwrite_all(fd, view, 0)
+    finally:
+        view.release()
+    return size
 
 
 def _write_local(dir_fd: int, name: str, shown: str, buffers: Iterable, durable: bool) -> int:

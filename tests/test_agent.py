@@ -224,18 +224,25 @@ def test_concurrent_spare_calls_start_one_process(ray_node):
         _kill_and_reap(agent, _rank_processes_of(agent_pid))
 
 
+def _agent_with_a_slow_fork_server(tmp_path, sleep_s: float):
+    """An agent whose fork server sleeps `sleep_s` before it starts (a node busy importing torch); (agent, its pid)."""
+    import ray
+
+    from elastic.agent import NodeAgent
+
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys, time\nif 'elastic.zygote' in sys.orig_argv:\n    time.sleep({sleep_s})\n")
+    agent = NodeAgent.options(num_cpus=1, runtime_env={"env_vars": {"PYTHONPATH": str(tmp_path)}}).remote(1.0, 0.0)
+    return agent, ray.get(agent.info.remote())["pid"]
+
+
 def test_a_poll_answers_while_a_spare_waits_for_a_slow_fork_server(ray_node, tmp_path):
     # A node that holds a job's memory replicas gets its first warm spare while the job trains, and its fork server
     # can take seconds to start (importing torch on busy cores). The controller drops a replica host whose poll goes
     # unanswered for REPLICA_HOST_TIMEOUT_S: a poll must not wait for a spawn. Here the fork server sleeps 6 s first.
     import ray
 
-    from elastic.agent import NodeAgent
-
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys, time\nif 'elastic.zygote' in sys.orig_argv:\n    time.sleep(6)\n")
-    agent = NodeAgent.options(num_cpus=1, runtime_env={"env_vars": {"PYTHONPATH": str(tmp_path)}}).remote(1.0, 0.0)
-    agent_pid = ray.get(agent.info.remote())["pid"]
+    agent, agent_pid = _agent_with_a_slow_fork_server(tmp_path, 6)
     try:
         spare = agent.spare.remote()
         time.sleep(1.0)  # the spare is now waiting for the fork server
@@ -243,6 +250,26 @@ def test_a_poll_answers_while_a_spare_waits_for_a_slow_fork_server(ray_node, tmp
         assert not ray.wait([spare], timeout=0)[0], "the poll waited for the spare's fork server"
         ray.get(spare, timeout=120)
         assert len(_rank_processes_of(agent_pid)) == 1
+    finally:
+        _kill_and_reap(agent, _rank_processes_of(agent_pid))
+
+
+def test_shutdown_while_a_spare_waits_for_the_fork_server_leaves_no_process(ray_node, tmp_path):
+    # The worker group shuts an agent down when its node leaves the job, and a spare may then be starting (the fork
+    # server takes seconds on busy cores). What that spawn starts must not outlive the shutdown, even while the agent
+    # process lives on. Here the fork server sleeps 4 s first.
+    import ray
+
+    agent, agent_pid = _agent_with_a_slow_fork_server(tmp_path, 4)
+    try:
+        spare = agent.spare.remote()
+        time.sleep(1.0)  # the spare is now waiting for the fork server
+        ray.get(agent.shutdown.remote(), timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError, match="shutting down"):
+            ray.get(spare, timeout=120)
+        children = [pid for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid and state != "Z"]
+        assert children == [], "the shutdown left the spare's rank process or the fork server running"
+        assert ray.get(agent.info.remote())["pid"] == agent_pid  # the agent itself is still up
     finally:
         _kill_and_reap(agent, _rank_processes_of(agent_pid))
 

@@ -379,6 +379,34 @@ def test_a_ranks_memory_files_are_written_through_kept_maps_that_never_pin_a_rem
     assert mapped() == []
 
 
+def test_a_memory_directory_whose_filesystem_cannot_map_files_is_written_without_maps(tmp_path, monkeypatch):
+    # checkpoint.memory_dir may be on a filesystem without shared maps (some FUSE and network ones refuse mmap with
+    # ENODEV). The rank's writes, and the replicas its agent receives, then go through a buffer and a write, and
+    # still match their checksums.
+    import errno
+    import mmap
+
+    import storage.fs
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(storage.fs.mmap, "mmap", refused)
+    mem, maps = NodeMemory(tmp_path / "node"), FileMaps()
+    for step in range(1, 4):
+        mem.keep_two(0, 1, step)
+        tensors = {"model.w0": torch.randn(48, 48), "model.b0": torch.arange(48.0)}
+        rows = storage.write_shards(mem.uri, step, 0, tensors, generation=1, durable=False, maps=maps)
+        mem.finish(step, 0, 1, rows)
+        assert mem.verify(step, 0, rows) is None
+        mem.drop_below(1, step)
+    body = os.urandom(5000)
+    mem.put_file(3, 1, 1, len(body), lambda view: view.__setitem__(slice(None), body), rows_body([]), maps)
+    assert (mem.data_path(3, 1, 1)).read_bytes() == body
+    monkeypatch.setattr(storage.fs.mmap, "mmap", mmap.mmap)
+    assert not [line for line in open("/proc/self/maps").read().splitlines() if str(mem.path) in line]
+
+
 class _Agents:
     """The worker group's memory surface over NodeMemory directories, one per simulated node."""
 
