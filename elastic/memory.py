@@ -82,9 +82,10 @@ def rows_file(rank: int, generation: int) -> str:
     return "rows/" + data_file(rank, generation).removeprefix("data/").removesuffix(".bin") + ".json"
 
 
-def rows_body(rows: list[dict], records: Iterable[dict] = ()) -> bytes:
-    """A rows file: a data file's index rows and the step records it carries."""
-    return json.dumps({"rows": rows, "records": list(records)}).encode()
+def rows_body(rows: list[dict] | str, records: Iterable[dict] = ()) -> bytes:
+    """A rows file: a data file's index rows (or their JSON array, `storage.rows_json`) and the step records it carries."""
+    encoded = rows if isinstance(rows, str) else json.dumps(rows)
+    return f'{{"rows": {encoded}, "records": {json.dumps(list(records))}}}'.encode()
 
 
 def owner_lock(job_dir: Path) -> Path:
@@ -184,9 +185,10 @@ class NodeMemory:
                          "or set checkpoint.memory: false")
         return text
 
-    def finish(self, step: int, rank: int, generation: int, rows: list[dict], records: list[dict] = ()) -> None:
-        """Mark `rank`'s data file of `step` complete by writing its rows next to it (atomically), with the rank's
-        newest step records: the controller's copy of them may die with the node (see `step_records`)."""
+    def finish(self, step: int, rank: int, generation: int, rows: list[dict] | str, records: list[dict] = ()) -> None:
+        """Mark `rank`'s data file of `step` complete by writing its rows (or their JSON, `storage.rows_json`) next to
+        it (atomically), with the rank's newest step records: the controller's copy of them may die with the node
+        (see `step_records`)."""
         self._publish_rows(step, rank, generation, rows_body(rows, records))
 
     def _publish_rows(self, step: int, rank: int, generation: int, body: bytes) -> None:

@@ -422,7 +422,7 @@ class Trainer:
         self.memory.keep_two(self.rank, self.spec.generation, step, reuse=reuse)
         rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
                                     layout_cache=self._memory_layout, durable=False, maps=self._memory_maps)
-        self.memory.finish(step, self.rank, self.spec.generation, rows, records)
+        self.memory.finish(step, self.rank, self.spec.generation, storage.rows_json(rows, self._memory_layout), records)
         self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
                              has_file=bool(rows), save_s=time.time() - t0)
 

@@ -688,7 +688,7 @@ def _copy_into(target: memoryview, buffers: Iterable) -> None:
     out, pos = numpy.frombuffer(target, dtype=numpy.uint8), 0
     try:
         for buf in buffers:
-            view = numpy.frombuffer(memoryview(buf).cast("B"), dtype=numpy.uint8)
+            view = numpy.frombuffer(buf, dtype=numpy.uint8)  # any contiguous buffer, read as its bytes
             if pos + view.nbytes > out.nbytes:
                 raise ValueError(f"more than the {out.nbytes} bytes announced")
             numpy.copyto(out[pos : pos + view.nbytes], view)

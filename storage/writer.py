@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from storage.format import (
+    ALIGN,
     COMBINE_IS_CHEAP,
     CheckpointError,
     align_up,
@@ -36,10 +37,12 @@ from storage.format import (
 )
 from storage.catalog import commit
 from storage.fs import FileMaps, Store
-from storage.state import SnapshotPool, compute_done, copy_pieces, plan_writes
+from storage.state import LocalPart, SnapshotPool, compute_done, copy_pieces, plan_writes
 
 _BLOCK = 1 << 20
 """A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
+_ZEROS = memoryview(bytes(ALIGN))
+"""The zero padding before a piece (less than `ALIGN` bytes)."""
 _RECHECK_MAX = 0 if COMBINE_IS_CHEAP else 64 << 10
 """Pieces smaller than this are checksummed a second time into the file's CRC-32 rather than combined into it
 (a combine in Python costs as much as a pass over 64 KiB)."""
@@ -65,20 +68,9 @@ def write_shards(
     if not any(part.pieces for part in plan.values()):
         return []
     rel = data_file(rank, generation)
-    rows: list[dict] = []
-    offset = 0
-    for key, part in plan.items():
-        for box, data in part.pieces:
-            offset = align_up(offset)
-            nbytes = data.numel() * data.element_size()
-            rows.append(
-                {
-                    "key": key, "dtype": dtype_name(part.dtype), "shape": list(part.shape),
-                    "offsets": list(box.offsets), "lengths": list(box.lengths), "file": rel,
-                    "byte_offset": offset, "nbytes": nbytes,
-                }
-            )
-            offset += nbytes
+    template = _rows_template(plan, rel, layout_cache)
+    rows = [dict(row) for row in template.rows]
+    offset = template.size
     file_crc = pos = 0
 
     def buffers():
@@ -89,16 +81,20 @@ def write_shards(
         pieces = ((data, raw) for part in plan.values() for (_, data), raw in zip(part.pieces, part.raws or [None] * len(part.pieces)))
         for row, (data, raw) in zip(rows, pieces):
             if row["byte_offset"] > pos:
-                pad = bytes(row["byte_offset"] - pos)
+                pad = _ZEROS[: row["byte_offset"] - pos]
                 file_crc = crc32(pad, file_crc)
                 yield pad
             if raw is None:
                 raw = memoryview(data.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-            crc = 0
-            for i in range(0, max(raw.nbytes, 1), _BLOCK):
-                block = raw[i : i + _BLOCK]
-                crc = crc32(block, crc)
-                yield block
+            if raw.nbytes <= _BLOCK:  # most pieces of a small model: a snapshot every step pays this loop per piece
+                crc = crc32(raw)
+                yield raw
+            else:
+                crc = 0
+                for i in range(0, raw.nbytes, _BLOCK):
+                    block = raw[i : i + _BLOCK]
+                    crc = crc32(block, crc)
+                    yield block
             row["crc32"] = crc
             file_crc = crc32(raw, file_crc) if raw.nbytes < _RECHECK_MAX else crc32_combine(file_crc, crc, raw.nbytes)
             pos = row["byte_offset"] + raw.nbytes
@@ -110,7 +106,66 @@ def write_shards(
         store.write(f"{step_dir(step)}/{rel}", buffers(), durable=durable)
     for row in rows:
         row["file_bytes"], row["file_crc32"] = offset, file_crc
+    template.last = rows
     return rows
+
+
+class _RowsTemplate:
+    """A rank's index rows for one layout but for their checksums, which are all that changes between its saves (a
+    memory snapshot every step built 156 rows and encoded them to JSON each time: more CPU than copying the bytes of
+    a small model's shard), and their JSON around the checksums. Kept in the layout cache (`plan_writes`) by the
+    file's name, and valid while the plan cuts the same pieces (`signature`: the pieces' boxes, by identity, which
+    the template holds so that their ids stay theirs, and the parts' dtypes)."""
+
+    def __init__(self, plan: dict[str, LocalPart], rel: str):
+        self.signature = _plan_signature(plan)
+        self.rows: list[dict] = []  # without crc32, file_bytes and file_crc32
+        offset = 0
+        for key, part in plan.items():
+            for box, data in part.pieces:
+                offset = align_up(offset)
+                nbytes = data.numel() * data.element_size()
+                self.rows.append({
+                    "key": key, "dtype": dtype_name(part.dtype), "shape": list(part.shape),
+                    "offsets": list(box.offsets), "lengths": list(box.lengths), "file": rel,
+                    "byte_offset": offset, "nbytes": nbytes,
+                })
+                offset += nbytes
+        self.size = offset
+        self.boxes = [box for part in plan.values() for box, _ in part.pieces]
+        self.last: list[dict] | None = None  # the rows `write_shards` returned last from this template
+        self._heads: list[str] | None = None  # each row's JSON up to its crc32 (`rows_json`)
+
+    def json(self, rows: list[dict]) -> str:
+        """`rows` (as `write_shards` returned them from this template) as a JSON array, filling in the checksums."""
+        if self._heads is None:
+            self._heads = [json.dumps(row)[:-1] + ', "crc32": ' for row in self.rows]
+        tail = f', "file_bytes": {self.size}, "file_crc32": {rows[0]["file_crc32"]}}}'
+        return "[" + ", ".join(f"{head}{row['crc32']}{tail}" for head, row in zip(self._heads, rows)) + "]"
+
+
+def _plan_signature(plan: dict[str, LocalPart]) -> tuple:
+    return tuple(part.dtype for part in plan.values()), tuple(id(box) for part in plan.values() for box, _ in part.pieces)
+
+
+def _rows_template(plan: dict[str, LocalPart], rel: str, layout_cache: dict | None) -> _RowsTemplate:
+    """The rows template of `plan` written as `rel`: the cached one while the plan cuts the same pieces, else a new one."""
+    cached = layout_cache.get(("rows", rel)) if layout_cache is not None else None
+    if cached is not None and cached.signature == _plan_signature(plan):
+        return cached
+    template = _RowsTemplate(plan, rel)
+    if layout_cache is not None:
+        layout_cache[("rows", rel)] = template
+    return template
+
+
+def rows_json(rows: list[dict], layout_cache: dict | None = None) -> str:
+    """A rank's index rows as a JSON array: from the `layout_cache`'s template when they are the rows `write_shards`
+    last returned with that cache (only their checksums are encoded anew), else with `json.dumps`."""
+    template = layout_cache.get(("rows", rows[0]["file"])) if layout_cache is not None and rows else None
+    if template is not None and template.last is rows:
+        return template.json(rows)
+    return json.dumps(rows)
 
 
 def gather_and_commit(

@@ -790,3 +790,33 @@ def test_a_load_names_the_byte_ranges_it_reads_before_it_reads_any(tmp_path):
     row = 4 * 4  # bytes of one row: rank 0's three rows are all read, two of rank 1's are in its one piece
     assert asked == [{files[0]: [(0, 3 * row)], files[1]: [(0, 3 * row)]}] and local.equal(full[:5])
     assert (held / Path(files[2]).name).exists()  # never asked for, never fetched
+
+
+def test_rows_kept_from_save_to_save_change_only_their_checksums_and_follow_a_new_layout(tmp_path):
+    # A memory snapshot every step reuses its layout's rows and their JSON (storage.writer._RowsTemplate): each save's
+    # rows must still be what that save wrote (checksums included), and a save with other pieces (another layout,
+    # another dtype) must get rows of its own.
+    cache: dict = {}
+    state = {"model.w": torch.randn(8, 4), "model.b": torch.randn(3)}
+
+    def save(step: int, tensors: dict) -> list[dict]:
+        rows = storage.write_shards(str(tmp_path), step, 0, tensors, generation=1, layout_cache=cache)
+        encoded = storage.rows_json(rows, cache)
+        assert json.loads(encoded) == rows and encoded == json.dumps(rows)
+        storage.commit(str(tmp_path), step, json.loads(encoded), generation=1, layout={"dp_shard": 1}, train_state={})
+        loaded = {k: torch.empty_like(v) for k, v in tensors.items()}
+        storage.load_shards(str(tmp_path), step, loaded)
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+        return rows
+
+    first = save(1, state)
+    state["model.w"].add_(1.0)
+    second = save(2, state)
+    assert [r["crc32"] for r in first] != [r["crc32"] for r in second]
+    assert [{k: v for k, v in r.items() if "crc32" not in k} for r in first] == \
+        [{k: v for k, v in r.items() if "crc32" not in k} for r in second]
+    assert storage.rows_json(first, cache) == json.dumps(first)  # not the last save's rows: encoded whole
+    wider = save(3, {"model.w": torch.randn(8, 6), "model.b": state["model.b"]})
+    assert wider[0]["shape"] == [8, 6] and wider[0]["nbytes"] == 8 * 6 * 4
+    halved = save(4, {"model.w": torch.randn(8, 6).half(), "model.b": state["model.b"]})
+    assert halved[0]["dtype"] == "float16" and halved[0]["nbytes"] == 8 * 6 * 2
