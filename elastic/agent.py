@@ -205,11 +205,18 @@ class NodeAgent:
         proc, conn = self._spawner.submit(self._popen, gpus).result()
         child = _Child(proc, conn, gpus)
         with self._lock:
-            if self._closed:  # shut down while it started (the fork server may take seconds): nothing outlives shutdown
-                proc.kill()
-                conn.close()
-                raise RuntimeError("the node agent is shutting down")
-            self._children.append(child)
+            closed = self._closed
+            if not closed:
+                self._children.append(child)
+        if closed:  # shut down while it started (the fork server may take seconds): nothing outlives shutdown
+            proc.kill()
+            conn.close()
+            if isinstance(proc, ForkedRank):
+                proc.wait()  # its fork server reaps it (or is dead, and took it along)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)  # reaped here: no zombie of it lives on in the agent
+            raise RuntimeError("the node agent is shutting down")
         threading.Thread(target=self._read, args=(child,), name=f"read-{proc.pid}", daemon=True).start()
         return child
 

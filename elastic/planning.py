@@ -3,7 +3,7 @@
 `strategies.planner` is arithmetic over a `ModelProfile` and a `ModelCheck`;
 here they come from the job's model (built on meta through `model.builder`):
 exact parameter counts from the module, and the layouts the model allows
-from `strategies.parallelize.model_problems`, which asks the model's own
+from `strategies.compose.model_problems`, which asks the model's own
 `ModelSpec.check`. The controller calls `choose_layout` on every resize.
 """
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from elastic.config import JobConfig
 from elastic.layout import Layout
 from elastic.recipe import build_model
-from strategies.parallelize import model_problems
+from strategies.compose import model_problems
 from strategies.planner import Hardware, ModelCheck, ModelProfile, StepOptions
 from strategies.planner import choose_layout as plan_resize
 

@@ -26,7 +26,7 @@ from torch import nn
 import storage
 from elastic.config import BUILTIN_BUILDER, ConfigError, JobConfig, ModelConfig, TrainingConfig
 from strategies import ModelSpec, ParallelModel, init_weights
-from strategies.parallelize import model_problems
+from strategies.compose import model_problems
 
 
 @functools.cache
@@ -96,7 +96,7 @@ _checked: dict[str, list[str]] = {}
 def check_model(cfg: JobConfig) -> None:
     """Build the model on meta and raise ConfigError with the first reason it cannot run at the configured layout.
 
-    The reasons come from `strategies.parallelize.model_problems`: the generic
+    The reasons come from `strategies.compose.model_problems`: the generic
     ones (blocks, pipeline stages, TP plan, tied weights, buffers) and the
     model's own (`ModelSpec.check`: heads that tp does not divide, ...).
     Cached per model, layout and sequence length: configs are loaded often.

@@ -17,13 +17,40 @@ causal LMs. This package never imports `elastic`: the job manager uses it,
 not the reverse.
 """
 
-from strategies.ac import apply_ac
-from strategies.fsdp import apply_fsdp
-from strategies.init import init_weights, initial_state
-from strategies.parallelize import ParallelModel, clip_grad_norm, load_full_state, parallelize
-from strategies.pipeline import balance_stages, split_model
-from strategies.spec import ModelSpec, ParallelOptions, token_loss_sum
-from strategies.tp import SequenceGather, apply_tp
+# Submodules load on first use (PEP 562): `strategies.layout` is pure arithmetic that the command line validates
+# configs with, and importing the package must not import torch for it (2 s of a 3 s `elastic --help`).
+_WHERE = {
+    "apply_ac": "ac",
+    "apply_fsdp": "fsdp",
+    "init_weights": "init",
+    "initial_state": "init",
+    "ParallelModel": "compose",
+    "clip_grad_norm": "compose",
+    "load_full_state": "compose",
+    "parallelize": "compose",
+    "balance_stages": "pipeline",
+    "split_model": "pipeline",
+    "ModelSpec": "spec",
+    "ParallelOptions": "spec",
+    "token_loss_sum": "spec",
+    "SequenceGather": "tp",
+    "apply_tp": "tp",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"strategies.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
 
 __all__ = [
     "ModelSpec",

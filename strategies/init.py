@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from strategies.parallelize import ParallelModel, fill_from_full
+from strategies.compose import ParallelModel, fill_from_full
 from strategies.spec import ModelSpec
 
 

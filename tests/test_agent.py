@@ -6,6 +6,7 @@ taken for the next command's; and a call to an agent that died fails as a
 `StartError` or `RanksUnreachable`, never as a raw Ray error.
 """
 
+import contextlib
 import os
 import signal
 import time
@@ -267,10 +268,38 @@ def test_shutdown_while_a_spare_waits_for_the_fork_server_leaves_no_process(ray_
         ray.get(agent.shutdown.remote(), timeout=60)
         with pytest.raises(ray.exceptions.RayTaskError, match="shutting down"):
             ray.get(spare, timeout=120)
-        children = [pid for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid and state != "Z"]
-        assert children == [], "the shutdown left the spare's rank process or the fork server running"
+        children = {pid: state for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid}
+        assert children == {}, "the shutdown left the spare's rank process or the fork server running, or unreaped"
         assert ray.get(agent.info.remote())["pid"] == agent_pid  # the agent itself is still up
     finally:
+        _kill_and_reap(agent, _rank_processes_of(agent_pid))
+
+
+def test_shutdown_while_a_spawn_waits_on_a_fork_leaves_no_zombie(ray_node):
+    # The spawn's other race with shutdown: the fork server has started and a fork is under way when shutdown kills
+    # the fork server. The spawn then starts a fresh process, finds the agent shut down and kills it: it must reap it
+    # too, or a zombie lives in the agent. The fork server is stopped (SIGSTOP) so that the fork waits on it.
+    import ray
+
+    agent, agent_pid = _agent(1)
+    try:
+        ray.get(agent.spare.remote(), timeout=120)  # the fork server is up; one idle spare
+        (first,) = _rank_processes_of(agent_pid)
+        fork_server = _stat(first)[2]
+        os.kill(first, signal.SIGKILL)  # so that the next spare call starts another
+        assert _wait_gone([first], 30)
+        time.sleep(0.5)  # the agent hears of its end
+        os.kill(fork_server, signal.SIGSTOP)
+        spare = agent.spare.remote()
+        time.sleep(1.0)  # the spare's fork now waits on the stopped fork server
+        ray.get(agent.shutdown.remote(), timeout=60)
+        with pytest.raises(ray.exceptions.RayTaskError, match="shutting down"):
+            ray.get(spare, timeout=60)
+        children = {pid: state for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid}
+        assert children == {}, "the shutdown left a process of the agent's, running or unreaped"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(fork_server, signal.SIGCONT)
         _kill_and_reap(agent, _rank_processes_of(agent_pid))
 
 

@@ -55,6 +55,28 @@ def test_cli_refuses_an_ignored_dp_shard_and_a_misspelt_fault_key(tmp_path):
     _one_line_error(_elastic("config", "validate", DEMO, "--inject", "random:cuont=2"), "'random:cuont=2'", "unknown key 'cuont'")
 
 
+@pytest.mark.parametrize("args", [
+    ("--help",),
+    ("plan", "--params", "7e9", "--gpus", "64"),
+    ("config", "validate", DEMO, "--set", "training.lr=-1"),
+    ("run", DEMO, "--set", "parallel.dp_shard=3"),
+    ("report", "no-such-run"),
+], ids=["help", "plan-from-params", "field-error", "layout-error", "report"])
+def test_help_and_refusals_answer_without_importing_torch_or_ray(args, tmp_path):
+    """The console script a user types, in a clean environment: help, a plan from a parameter count and a refused
+    config answer at once (0.3-0.5 s, not the 3 s of importing torch and Ray that a job needs), with the same answer."""
+    script = Path(sys.executable).with_name("elastic")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPROFILEIMPORTTIME": "1"}
+    result = subprocess.run([str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert imported and not {m for m in imported if m.split(".")[0] in ("torch", "ray")}, sorted(imported)
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    if args[0] in ("--help", "plan"):
+        assert (result.returncode, said) == (0, []) and ("COMMAND" in result.stdout or "7B parameters" in result.stdout), result.stdout
+    else:
+        assert result.returncode == 2 and len(said) == 1 and said[0].startswith("elastic: error: "), result.stderr
+
+
 @pytest.mark.parametrize("args", [("config", "schema"), ("config", "validate", DEMO)], ids=["written-while-running", "flushed-at-the-end"])
 def test_a_reader_that_closes_the_pipe_early_ends_the_command_quietly(args):
     """`elastic config schema | head -1`: no BrokenPipeError, whichever command, and 141 as SIGPIPE ends a Unix filter.

@@ -232,7 +232,7 @@ def test_rotary_buffers_are_recreated_after_materialising():
     model.model.rotary_emb.inv_freq.fill_(float("nan"))  # what to_empty may leave
     spec.init_buffers(model)
     assert torch.equal(model.model.rotary_emb.inv_freq, build(**ARGS)[0].model.rotary_emb.inv_freq)
-    from strategies.parallelize import model_problems
+    from strategies.compose import model_problems
 
     spec.init_buffers = None
     (problem,) = model_problems(_meta_model(), spec, ParallelConfig())

@@ -267,7 +267,7 @@ def test_sequence_parallel_needs_a_divisible_sequence_for_any_model():
     """Not only the built-in transformer's: a user model with a sequence-parallel plan is refused before its ranks hang."""
     from elastic.config import ParallelConfig
     from strategies import ModelSpec
-    from strategies.parallelize import model_problems
+    from strategies.compose import model_problems
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)]))

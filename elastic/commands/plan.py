@@ -17,7 +17,6 @@ import sys
 
 from elastic.errors import UsageError
 from elastic.config import load_config
-from elastic.planning import model_inputs, step_options
 from strategies.planner import HEAD_DIM, RUNNABLE, STRATEGIES, Hardware, ModelCheck, ModelProfile, PlanEntry, StepOptions, plan
 from strategies.schedule_timeline import SCHEDULES, render_timeline, timeline
 
@@ -84,6 +83,8 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelProfile, Hardware, StepOptio
     parameter counts, and only the layouts it allows.
     """
     cfg = load_config(args.config, args.set) if args.config else None
+    if cfg:  # the job's own model, built on meta: torch, which a plan from --params (and `elastic --help`) need not import
+        from elastic.planning import model_inputs, step_options
     if args.set and cfg is None:
         raise UsageError("--set needs --config")
     seq_len = args.seq_len or (cfg.data.seq_len if cfg else 2048)

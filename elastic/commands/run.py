@@ -20,10 +20,10 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from elastic.job import run_job, succeeded
-
     cfg = load_config(args.config, args.overrides)
     print(check_job(cfg, args.inject).summary, flush=True)  # the layout it starts with, before Ray starts (run_job checks again)
+    from elastic.job import run_job, succeeded  # after the checks: it imports torch and Ray, seconds a refusal need not wait
+
     report = run_job(cfg, args.inject, address=args.address, fresh=args.fresh, quiet=args.quiet)
     summary = {k: report[k] for k in ("state", "steps_completed", "initial_loss", "final_loss", "world_sizes", "samples", "goodput", "goodput_training")}
     summary["failures"] = [{k: f[k] for k in ("kind", "rank", "detect_s", "recover_s", "lost_steps")} for f in report["failures"]]
