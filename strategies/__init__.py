@@ -18,7 +18,8 @@ not the reverse.
 """
 
 # Submodules load on first use (PEP 562): `strategies.layout` is pure arithmetic that the command line validates
-# configs with, and importing the package must not import torch for it (2 s of a 3 s `elastic --help`).
+# configs with, and importing the package must not import torch for it (2 s of a 3 s `elastic --help`). No submodule
+# is named as what it exports (`parallelize` lives in `compose`): once imported, a submodule would shadow that name.
 _WHERE = {
     "apply_ac": "ac",
     "apply_fsdp": "fsdp",
@@ -52,20 +53,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_WHERE})
 
 
-__all__ = [
-    "ModelSpec",
-    "ParallelModel",
-    "ParallelOptions",
-    "SequenceGather",
-    "apply_ac",
-    "apply_fsdp",
-    "apply_tp",
-    "balance_stages",
-    "clip_grad_norm",
-    "init_weights",
-    "initial_state",
-    "load_full_state",
-    "parallelize",
-    "split_model",
-    "token_loss_sum",
-]
+__all__ = sorted(_WHERE)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from strategies import ModelSpec, apply_ac, balance_stages, split_model
 from strategies.pipeline import default_microbatches, split_blocks, stage_ids
 from strategies.tp import unmatched_plan_keys
 
+ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=64, dim=16, n_layers=6, n_heads=2, ffn_dim=32, max_seq_len=8)
 
 
@@ -89,3 +94,19 @@ def test_tp_plan_matches_model():
     for sp in (False, True):
         assert unmatched_plan_keys(model, transformer_tp_plan(sequence_parallel=sp)) == []
     assert unmatched_plan_keys(model, {"layers.*.attention.wz": None}) == ["layers.*.attention.wz"]
+
+
+def test_the_package_loads_its_parts_on_first_use_and_no_part_shadows_an_export():
+    # In a fresh interpreter: the layout arithmetic without torch, then every export after every submodule is imported.
+    script = (
+        "import importlib, sys, types\n"
+        "import strategies.layout\n"
+        "assert 'torch' not in sys.modules, 'strategies.layout imported torch'\n"
+        "import strategies\n"
+        "for module in set(strategies._WHERE.values()):\n"
+        "    importlib.import_module('strategies.' + module)\n"
+        "shadowed = [n for n in strategies.__all__ if isinstance(getattr(strategies, n), types.ModuleType)]\n"
+        "assert not shadowed, shadowed\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
