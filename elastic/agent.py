@@ -62,8 +62,8 @@ from storage.format import data_file, encode_index
 from elastic.memory import NodeMemory, memory_root, sweep_abandoned
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
-    Command, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, SnapshotDone, StackDump, Start,
-    StartFailed, StopAfter,
+    Command, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed,
+    StopAfter,
 )
 from elastic.sched import batch_this_process, idle_this_thread
 from elastic.zygote import ForkedRank, Zygote
@@ -280,7 +280,8 @@ class NodeAgent:
             except (EOFError, OSError):
                 break
             if isinstance(message, RankState):
-                records = message.records  # "step", "saved", "ready", ... (a "mem_saved" comes as SnapshotDone)
+                snapshots = [r for r in message.records if r["kind"] == "mem_saved"]
+                records = [r for r in message.records if r["kind"] != "mem_saved"]
                 with self._lock:
                     if message.generation != c.records_gen:
                         c.records, c.records_gen = [], message.generation
@@ -289,10 +290,10 @@ class NodeAgent:
                     first_step = c.stepped_gen != message.generation and any(r["kind"] == "step" for r in records)
                     if first_step:
                         c.stepped_gen = message.generation
+                for rec in snapshots:  # held back until replicated: the controller hears of a snapshot once it is safe
+                    self._take_snapshot(c, message.generation, rec)
                 if message.finished or message.error or self._news(records, first_step):
                     self._changed.set()
-            elif isinstance(message, SnapshotDone):  # held back until replicated: the controller hears of it once it is safe
-                self._take_snapshot(c, message.generation, message.record)
             elif isinstance(message, Pull):
                 self._puller.submit(self._pull, c, message)
             elif isinstance(message, Reply):

@@ -8,8 +8,7 @@ that comes after its deadline is never taken for the next command's. Unasked,
 `Replicated` acknowledges a memory snapshot in place on another node.
 
 Rank → agent, unasked: `Ready` once it has imported what a generation needs
-(or `StartFailed`), its `RankState` whenever it has news, and `SnapshotDone`
-for each memory snapshot it finishes. A rank that
+(or `StartFailed`), and its `RankState` whenever it has news. A rank that
 restores from the memory tier asks, with `Pull`, for the bytes it reads;
 the agent answers `Pulled` once they are on the node.
 
@@ -113,16 +112,6 @@ class Pull:
 
     id: int
     ranges: dict[str, list[tuple[int, int]]]
-
-
-@dataclass(frozen=True)
-class SnapshotDone:
-    """A memory snapshot of this rank is whole in its node's memory (`record`: its "mem_saved" record). The rank's
-    snapshot writer sends it at once, apart from the `RankState` pushes: the agent starts the replica without the
-    rank's reporter waking up to build a push for it (1-2% of a short step on a busy core)."""
-
-    generation: int
-    record: dict
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from elastic.messages import (
-    ABORT_JOIN_S, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, SnapshotDone, StackDump, Start, StartFailed,
-    StopAfter,
+    ABORT_JOIN_S, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
 )
 
 REPORT_EVERY_S = 1.0
@@ -133,7 +132,7 @@ class RankRuntime:
         spec = RankSpec(**command.spec)
         with self._lock:
             self._generation = spec.generation
-            self._control = Control(pull=self.pull, snapshot_done=lambda record, g=spec.generation: self._send(SnapshotDone(g, record)))
+            self._control = Control(pull=self.pull)
             self._progress = Progress()
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False

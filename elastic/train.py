@@ -122,9 +122,6 @@ class Control:
     stop_at: int | None = None
     replicated: Acks = field(default_factory=Acks)
     pull: Callable[[dict[str, list[tuple[int, int]]]], tuple[list[str], int]] | None = None
-    snapshot_done: Callable[[dict], None] | None = None
-    """Hands a finished memory snapshot's record to the agent at once (`elastic.messages.SnapshotDone`); None: no
-    agent, the record goes with the others."""
 
 
 @dataclass
@@ -426,11 +423,8 @@ class Trainer:
         rows = storage.write_shards(self.memory.uri, step, self.rank, data, generation=self.spec.generation,
                                     layout_cache=self._memory_layout, durable=False, maps=self._memory_maps)
         self.memory.finish(step, self.rank, self.spec.generation, storage.rows_json(rows, self._memory_layout), records)
-        fields = dict(step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0, has_file=bool(rows), save_s=time.time() - t0)
-        if self.control.snapshot_done is not None:
-            self.control.snapshot_done({"kind": "mem_saved", "t": time.time(), **fields})
-        else:
-            self.progress.record("mem_saved", **fields)
+        self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
+                             has_file=bool(rows), save_s=time.time() - t0)
 
     def _memory_settled(self) -> None:
         """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.
