@@ -52,6 +52,11 @@ def _processes() -> dict[int, tuple[str, str, int]]:
     return stats
 
 
+def _children_of(pid: int) -> dict[int, str]:
+    """{pid: state} of every child of `pid`, zombies too."""
+    return {child: state for child, (_, state, ppid) in _processes().items() if ppid == pid}
+
+
 def _rank_processes_of(agent: int) -> list[int]:
     """The live rank processes an agent started: its children named as ranks, and every child of its fork server
     (`elastic.zygote`), which forks nothing else; a fork may not have renamed itself yet (a spare is not waited for)."""
@@ -268,8 +273,7 @@ def test_shutdown_while_a_spare_waits_for_the_fork_server_leaves_no_process(ray_
         ray.get(agent.shutdown.remote(), timeout=60)
         with pytest.raises(ray.exceptions.RayTaskError, match="shutting down"):
             ray.get(spare, timeout=120)
-        children = {pid: state for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid}
-        assert children == {}, "the shutdown left the spare's rank process or the fork server running, or unreaped"
+        assert _children_of(agent_pid) == {}, "the shutdown left the spare's rank process or the fork server running, or unreaped"
         assert ray.get(agent.info.remote())["pid"] == agent_pid  # the agent itself is still up
     finally:
         _kill_and_reap(agent, _rank_processes_of(agent_pid))
@@ -295,8 +299,7 @@ def test_shutdown_while_a_spawn_waits_on_a_fork_leaves_no_zombie(ray_node):
         ray.get(agent.shutdown.remote(), timeout=60)
         with pytest.raises(ray.exceptions.RayTaskError, match="shutting down"):
             ray.get(spare, timeout=60)
-        children = {pid: state for pid, (_, state, ppid) in _processes().items() if ppid == agent_pid}
-        assert children == {}, "the shutdown left a process of the agent's, running or unreaped"
+        assert _children_of(agent_pid) == {}, "the shutdown left a process of the agent's, running or unreaped"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(fork_server, signal.SIGCONT)
