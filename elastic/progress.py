@@ -109,7 +109,7 @@ class ProgressPrinter:
         elif kind == "recovering":
             tier = f" ({e['restored_from']} tier)" if e.get("restored_from") in ("memory", "durable") else ""
             self._note(f"[recover] {_starting_from(e['resume_step']).replace('start', 'resume', 1)}{tier}, lost {e['lost_steps']} steps")
-        elif kind in ("memory_restore_unavailable", "memory_snapshot_skipped"):
+        elif kind in ("memory_restore_unavailable", "memory_snapshot_skipped", "replica_ring"):
             self._note(f"[memory] {e['reason']}" + (f" (step {e['step']}, rank {e['rank']})" if "rank" in e else ""))
         elif kind == "checkpoint_skipped":
             self._note(f"[checkpoint] skipped step {e['step']}: {e['reason']}")

@@ -99,7 +99,7 @@ class RayWorkerGroup:
     _host_sought: float = 0.0  # when a ring without such a node last looked for one (monotonic)
     _peer_calls: itertools.count = field(default_factory=lambda: itertools.count(1))  # numbers the agents' set_peer calls
     _adopting: tuple[str, object] | None = None  # the host being taken into the ring, and the set_peer call to the ranks' node
-    _ring_news: list[dict] = field(default_factory=list)  # changes of the ring mid-generation, for the controller's events
+    _ring_news: list[dict] = field(default_factory=list)  # a ring without a replica at a start, its changes mid-generation: events
     _pending: dict[str, object] = field(default_factory=dict)  # an agent's poll in flight, by node
     _retiring: list[tuple[object, object]] = field(default_factory=list)  # (agent, its shutdown's ref) of nodes that left
     _killed_on: set[str] = field(default_factory=set)  # nodes whose agent was killed: its memory files may be left there
@@ -180,6 +180,10 @@ class RayWorkerGroup:
         host = self._replica_host(by_node, placeable, alive)
         self.replica_ring = sorted(by_node) + ([host] if host else []) if self.cfg.checkpoint.memory else []
         self._host_call = self._adopting = None
+        if len(self.replica_ring) == 1 and self.cfg.checkpoint.memory_replicas:
+            self._ring_news.append({"generation": self.generation, "ring": list(self.replica_ring), "reason": (
+                f"the ranks are all on node {self.replica_ring[0]} and no other node of the job is up: its memory snapshots "
+                "have no replica until one is (a loss of that node restores from the durable tier)")})
         for node_id in [n for n in self.agents if n not in placeable and n not in holders and n != host]:
             self._retire(self.agents.pop(node_id), node_up=node_id in alive)
         self._reap_retired()
@@ -372,7 +376,8 @@ class RayWorkerGroup:
         self._ring_news.append({"generation": self.generation, "ring": list(ring), "reason": reason})
 
     def ring_changes(self) -> list[dict]:
-        """The ring's changes mid-generation since the last call ({generation, ring, reason} each)."""
+        """The ring's changes since the last call ({generation, ring, reason} each): a generation that starts with its
+        ranks on one node and no node to hold their replicas, and what changes mid-generation."""
         news, self._ring_news = self._ring_news, []
         return news
 

@@ -57,6 +57,14 @@ def test_plain_lines_when_not_a_terminal():
     assert lines[-1] == "[finished] last checkpoint at 5 steps"
 
 
+def test_a_memory_tier_without_a_replica_says_so():
+    out = io.StringIO()
+    printer = ProgressPrinter(10, 512, console=Console(file=out))
+    printer({"t": 1.0, "event": "replica_ring", "generation": 1, "ring": ["n1"], "reason": "no other node of the job is up"})
+    printer({"t": 2.0, "event": "replica_ring", "generation": 1, "ring": ["n1", "n2"], "reason": "node n2 holds the replicas"})
+    assert out.getvalue() == "[memory] no other node of the job is up\n[memory] node n2 holds the replicas\n"
+
+
 def test_a_recovery_without_a_checkpoint_resumes_from_scratch():
     out = io.StringIO()
     printer = ProgressPrinter(10, 512, console=Console(file=out))
