@@ -63,6 +63,7 @@ _ROWS = re.compile(r"g(?P<generation>[0-9]{6,})-rank_(?P<rank>[0-9]{5,})\.json")
 CLAIM_TIMEOUT_S = 30.0
 """How long an agent waits for the lock of its job's directory on its node (`NodeMemory.claim`): an earlier agent of
 the job there that was killed may still be exiting."""
+_CLAIM_TRIES = 20  # `claim`'s tries in a row that find a directory gone before it takes the path for one that cannot be made
 SPARE = "spare"  # data files set aside below the committed step, each for its rank's next write (NodeMemory.drop_below)
 _READ_BLOCK = 8 << 20
 
@@ -146,12 +147,20 @@ class NodeMemory:
         that was killed and is still exiting; raises if it holds on longer.
         """
         lock, deadline = owner_lock(self.path), time.monotonic() + timeout_s
+        vanished = 0  # tries in a row that found a directory gone
         while self._owner is None:
             try:
                 lock.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-            except FileNotFoundError:
-                continue  # a sweep removed the node's directory between the two
+            except FileNotFoundError as exc:
+                # A sweep removed the node's directory between the two; a path that cannot be made fails every time.
+                vanished += 1
+                if vanished > _CLAIM_TRIES:
+                    raise self._unusable(exc) from None
+                time.sleep(0.01)
+                continue
+            except OSError as exc:  # not a directory, not writable, read-only
+                raise self._unusable(exc) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -170,6 +179,11 @@ class NodeMemory:
             except FileNotFoundError:
                 pass
             os.close(fd)  # a sweep removed the file we locked (its directory was abandoned): lock a new one
+
+    def _unusable(self, exc: OSError) -> OSError:
+        """The memory directory cannot be made or written: the error names the setting and the directory it gave
+        (`<root>`, where the node's and job's directories would go), alike on every node."""
+        return type(exc)(exc.errno, f"checkpoint.memory_dir: cannot make a directory in {self.path.parent.parent}: {exc.strerror}")
 
     # -- a rank's writes -------------------------------------------------------------
     def describe_failure(self, exc: BaseException) -> str:

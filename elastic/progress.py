@@ -105,7 +105,10 @@ class ProgressPrinter:
         elif kind == "failure_detected":
             self._failures += 1
             detect = f" in {e['detect_s']:.3f}s" if e.get("detect_s") is not None else ""
-            self._note(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
+            if e.get("rank") is None:  # the workers did not start: no rank to name, the error says what
+                self._note(f"[failure] {e['detected_as']}: {e.get('detail', '')}")
+            else:
+                self._note(f"[failure] {e['detected_as']} rank {e['rank']} (culprit {e['culprit']}) detected{detect}")
         elif kind == "recovering":
             tier = f" ({e['restored_from']} tier)" if e.get("restored_from") in ("memory", "durable") else ""
             self._note(f"[recover] {_starting_from(e['resume_step']).replace('start', 'resume', 1)}{tier}, lost {e['lost_steps']} steps")

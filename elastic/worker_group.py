@@ -15,6 +15,7 @@ an agent that dies or does not answer while a generation starts is a
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 import time
 import uuid
@@ -55,6 +56,7 @@ agent's fork server to import torch (seconds, more on busy cores; `elastic.agent
 controller's loop does not wait for it: only a call still unanswered after this is reported as failed."""
 REPLICA_HOST_TIMEOUT_S = 5.0
 """How long a node that holds memory replicas but no ranks may leave a call unanswered before it leaves the ring."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours Ray puts in its errors' text
 
 
 class StartError(RuntimeError):
@@ -76,8 +78,27 @@ def _drop_job_memory(memory_dir: str, job: str) -> None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    """An error in one line: its message's first line, and its last where more follow. A Ray error whose actor's
+    constructor raised (`ActorDiedError`) says so on its first line and ends with the error raised (after the
+    traceback), which is what names the cause: an unusable `checkpoint.memory_dir`, say."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) == 1:
+        return f"{type(exc).__name__}: {lines[0]}"
+    first = lines[0].split(" (pid=")[0]  # Ray's process and actor ids follow: the last line says more
+    return f"{type(exc).__name__}: {first} ... {lines[-1]}"
+
+
+def _causes(failed: dict[str, str]) -> str:
+    """A start's failed calls ({call: why}; a call is named by its node's id) in one line, each distinct error once
+    with the calls it failed, their node ids cut to 8 characters as in the report: a bad setting fails every node
+    alike, and its error must not be cut off behind the first node's."""
+    calls: dict[str, list[str]] = {}
+    for call, why in sorted(failed.items()):
+        *verb, node = call.split(" ")
+        calls.setdefault(why, []).append(" ".join([*verb, node[:8]]))
+    return "; ".join(f"{why} ({', '.join(names)})" for why, names in calls.items())
 
 
 @dataclass
@@ -199,14 +220,14 @@ class RayWorkerGroup:
         answers, failed = self._gather(calls, timeout + 10)
         self.memory_staged = {n.removeprefix("stage "): a for n, a in answers.items() if n.startswith("stage ")}
         if failed:
-            raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {failed}")
+            raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {_causes(failed)}")
         store_timeout = max(60.0, timeout)
         pids, failed = self._gather({
             n: agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
             for n, ms in by_node.items()
         }, CALL_TIMEOUT_S)
         if failed:  # an agent that died between prepare and start (its node went), or a rank process that did
-            raise StartError(f"workers could not be given their ranks: {failed}")
+            raise StartError(f"workers could not be given their ranks: {_causes(failed)}")
         for node_pids in pids.values():
             for m in self.members:
                 m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown

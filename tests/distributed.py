@@ -21,9 +21,20 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1: all held at once while chosen (ports chosen one after the other can
+    repeat, since each is free again once chosen: a Ray head told one port for two components refuses to start)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _entry(rank: int, world: int, port: int, out_dir: str, fn, args) -> None:

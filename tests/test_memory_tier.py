@@ -251,6 +251,31 @@ def test_a_killed_agents_memory_is_swept_by_the_next_agent_and_a_live_ones_is_ke
     assert not (root / "node-b" / "job2.lock").exists() and unlocked.inventory()
 
 
+def test_a_memory_directory_that_cannot_be_made_is_an_error_naming_the_setting(tmp_path):
+    # Claiming retries a directory that a sweep removed in between; one that can never be made (under a file, under
+    # /proc) must fail at once, not spin for ever in the agent's constructor (it did, with a hung job).
+    (tmp_path / "file").write_text("")
+    root = tmp_path / "file" / "elastic-memory"
+    with pytest.raises(NotADirectoryError, match=f"checkpoint.memory_dir: cannot make a directory in {root}"):
+        NodeMemory(root / "node" / "job").claim(timeout_s=5.0)
+    if Path("/proc/self").exists():
+        with pytest.raises(FileNotFoundError, match="checkpoint.memory_dir: cannot make a directory in /proc/nope/elastic-memory"):
+            NodeMemory("/proc/nope/elastic-memory/node/job").claim(timeout_s=5.0)
+
+
+def test_elastic_run_with_an_unusable_memory_directory_fails_and_says_why(tmp_path):
+    # As a user runs it: the agents cannot start, and the console names the setting and the directory.
+    (tmp_path / "file").write_text("")
+    path = _job_yaml(tmp_path, "baddir", 3)
+    path.write_text(path.read_text().replace(f"memory_dir: {tmp_path / 'mem'}", f"memory_dir: {tmp_path / 'file'}"))
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
+    result = subprocess.run([sys.executable, "-m", "elastic", "run", str(path), "--set", "fault.max_failures=0"],
+                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = [l for l in result.stdout.splitlines() if l.startswith("[failure] start_failed: workers did not start")]
+    assert f"checkpoint.memory_dir: cannot make a directory in {tmp_path / 'file' / 'elastic-memory'}: Not a directory" in line
+
+
 def _job_yaml(tmp_path, name: str, steps: int) -> Path:
     """The demo's job without its fault, keeping its memory tier under `tmp_path/mem`."""
     text = (Path(__file__).resolve().parents[1] / "deploy/examples/demo.yaml").read_text()

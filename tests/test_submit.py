@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_ports
 from elastic.metrics import scrape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,12 +65,6 @@ while not node.dead_processes():
     time.sleep(1)
 sys.exit("a Ray process of the worker node died")
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -118,8 +112,9 @@ class TokenCluster:
         self.root = root
         self.home = root / "home"
         self.home.mkdir()
-        self.dash = f"http://127.0.0.1:{_free_port()}"
-        self.gcs = f"127.0.0.1:{_free_port()}"
+        dash, gcs = free_ports(2)
+        self.dash = f"http://127.0.0.1:{dash}"
+        self.gcs = f"127.0.0.1:{gcs}"
         self.procs: list[subprocess.Popen] = []
         # The environment of an operator's shell: venv first on PATH (the job's
         # entrypoint runs `elastic` from it), Ray on loopback, token auth on.
@@ -150,7 +145,7 @@ class TokenCluster:
         self.ray("get-auth-token", "--generate")
         self.token = (self.home / ".ray" / "auth_token").read_text().strip()
         temp_dir = str(self.root / "ray")
-        self.metrics_port = _free_port()
+        self.metrics_port, client, agent_grpc, agent_listen, runtime_env = free_ports(5)
         # Every port is chosen up front: other clusters on this machine hold Ray's
         # default ports, and a raylet told its agents' ports does not wait for the
         # agents to publish them (on a loaded machine that wait times out after
@@ -158,14 +153,14 @@ class TokenCluster:
         self._spawn("head", [
             RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.gcs.split(':')[1]}",
             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dash.rsplit(':', 1)[1]}",
-            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={self.metrics_port}",
-            f"--runtime-env-agent-port={_free_port()}",
+            f"--ray-client-server-port={client}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--dashboard-agent-listen-port={agent_listen}", f"--metrics-export-port={self.metrics_port}",
+            f"--runtime-env-agent-port={runtime_env}",
             "--num-cpus=0", f"--temp-dir={temp_dir}", "--disable-usage-stats",
         ])
         self._wait(lambda: self._get("/api/version") is not None, "the dashboard to answer")
         for n in (1, 2):  # one after the other: a node starting finds itself in the GCS by its sockets' directory
-            self._spawn(f"worker-{n}", [sys.executable, "-c", _WORKER_NODE, self.gcs, "4", temp_dir, *(str(_free_port()) for _ in range(4))])
+            self._spawn(f"worker-{n}", [sys.executable, "-c", _WORKER_NODE, self.gcs, "4", temp_dir, *map(str, free_ports(4))])
             self._wait(lambda: len(self.alive_nodes()) == 1 + n, f"{1 + n} alive nodes")
 
     def stop(self) -> None:
