@@ -35,7 +35,8 @@ class JobCheck:
     max_world: int
     """The most ranks any layout of the job has (at scaling.max_workers)."""
     summary: str
-    """`layout ...`: the starting layout, how the global batch splits, any idle workers and why, growth up to max_workers."""
+    """`layout ...`: the starting layout, how the global batch splits, any idle workers and why, growth up to max_workers,
+    and a memory tier that would take no snapshot."""
 
 
 def check_job(cfg: JobConfig, inject: list[str] | None = None) -> JobCheck:
@@ -63,6 +64,10 @@ def check_job(cfg: JobConfig, inject: list[str] | None = None) -> JobCheck:
         summary += f"; at scaling.max_workers ({s.upper}): {grown.removeprefix('layout ')}"
     if layout.world_size < s.num_workers or largest.world_size < s.upper:
         summary += "; the idle workers' slots stay reserved and unused"
+    c = cfg.checkpoint
+    if c.memory and c.memory_every_steps >= cfg.training.steps:
+        summary += (f"; checkpoint.memory_every_steps ({c.memory_every_steps}) is not below training.steps "
+                    f"({cfg.training.steps}): the memory tier takes no snapshot")
     faults: list[Fault] = []
     for field, specs in (("fault.inject", cfg.fault.inject), ("--inject", inject or [])):
         try:

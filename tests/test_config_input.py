@@ -251,6 +251,15 @@ def test_validate_prints_the_layout_and_the_idle_workers(capsys):
                    "1 of 3 workers idle (3 is no multiple of tp*pp (2)); the idle workers' slots stay reserved and unused", "OK"]
 
 
+def test_validate_says_when_the_memory_tier_would_take_no_snapshot(capsys):
+    # A snapshot is taken after every memory_every_steps steps but the last (whose durable save is synchronous).
+    sets = ["training.steps=300", "fault.inject=[]", "checkpoint.memory=true"]
+    for every, silent in ((299, True), (300, False), (1000, False)):
+        assert main(["config", "validate", DEMO, *[a for s in [*sets, f"checkpoint.memory_every_steps={every}"] for a in ("--set", s)]]) == 0
+        (summary, ok) = capsys.readouterr().out.splitlines()
+        assert ok == "OK" and ("the memory tier takes no snapshot" not in summary) == silent, summary
+
+
 def test_run_prints_the_layout_before_the_job_starts(tmp_path, capsys, monkeypatch):
     import elastic.job
 
