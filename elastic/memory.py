@@ -144,7 +144,8 @@ class NodeMemory:
         it is held, no `sweep_abandoned` removes the directory.
 
         Waits up to `timeout_s` for an earlier agent of the job on this node
-        that was killed and is still exiting; raises if it holds on longer.
+        that was killed and is still exiting; raises if it holds on longer,
+        and at once where the directory cannot be made (`_unusable`).
         """
         lock, deadline = owner_lock(self.path), time.monotonic() + timeout_s
         vanished = 0  # tries in a row that found a directory gone

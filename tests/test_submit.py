@@ -112,7 +112,8 @@ class TokenCluster:
         self.root = root
         self.home = root / "home"
         self.home.mkdir()
-        dash, gcs = free_ports(2)
+        # Every port of the head in one choice: ports chosen apart can repeat (`free_ports`).
+        dash, gcs, self.metrics_port, *self._head_ports = free_ports(7)
         self.dash = f"http://127.0.0.1:{dash}"
         self.gcs = f"127.0.0.1:{gcs}"
         self.procs: list[subprocess.Popen] = []
@@ -145,7 +146,7 @@ class TokenCluster:
         self.ray("get-auth-token", "--generate")
         self.token = (self.home / ".ray" / "auth_token").read_text().strip()
         temp_dir = str(self.root / "ray")
-        self.metrics_port, client, agent_grpc, agent_listen, runtime_env = free_ports(5)
+        client, agent_grpc, agent_listen, runtime_env = self._head_ports
         # Every port is chosen up front: other clusters on this machine hold Ray's
         # default ports, and a raylet told its agents' ports does not wait for the
         # agents to publish them (on a loaded machine that wait times out after
