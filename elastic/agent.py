@@ -58,12 +58,14 @@ from pathlib import Path
 import ray
 
 from storage.catalog import commit
+from storage.copy_out import CopyRefused
 from storage.format import data_file, encode_index
+from storage.fs import FileMaps
 from elastic.memory import NodeMemory, memory_root, sweep_abandoned
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
-    Command, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed,
-    StopAfter,
+    Command, Copied, CopyOut, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start,
+    StartFailed, StopAfter,
 )
 from elastic.sched import batch_this_process, idle_this_thread
 from elastic.zygote import ForkedRank, Zygote
@@ -83,6 +85,8 @@ ZYGOTE_RESTARTS = 3
 afresh: a fork server that keeps dying is costing more than it saves."""
 REPLICA_TIMEOUT_S = 60.0
 """How long the agent waits for its peer to take one replica of a memory snapshot."""
+COPY_MAPS_KEPT = 64
+"""Maps of its ranks' snapshot files the copier keeps (`storage.fs.FileMaps`): two per rank, for up to 32 ranks a node."""
 
 
 @dataclass
@@ -102,6 +106,7 @@ class _Child:
     replies: queue.Queue = field(default_factory=queue.Queue)  # Reply, or None once the process is gone
     lock: threading.Lock = field(default_factory=threading.Lock)  # one command at a time
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # a command and a replica's acknowledgement never interleave
+    copy_heads: list[str] | None = None  # the rows heads of its last `CopyOut` that had them
 
 
 @dataclass
@@ -182,6 +187,9 @@ class NodeAgent:
         self._peer_order = 0  # the newest set_peer call's number
         self._replicating = 0  # snapshots handed to the replicator and not yet answered
         self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
+        # The copies of CPU ranks' snapshots out of their memory (storage.copy_out), on SCHED_IDLE like the replicas.
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-out", initializer=idle_this_thread)
+        self._copy_maps = FileMaps(keep=COPY_MAPS_KEPT)
         # A restore from memory (memory_stage): where each file of the staged step is, for the ranks' Pulls; one pull
         # at a time, so that two ranks reading the same file fetch it once.
         self._staged: _Staged | None = None
@@ -294,6 +302,8 @@ class NodeAgent:
                     self._take_snapshot(c, message.generation, rec)
                 if message.finished or message.error or self._news(records, first_step):
                     self._changed.set()
+            elif isinstance(message, CopyOut):
+                self._copier.submit(self._copy_out, c, message)
             elif isinstance(message, Pull):
                 self._puller.submit(self._pull, c, message)
             elif isinstance(message, Reply):
@@ -500,6 +510,8 @@ class NodeAgent:
         for link in (self._peer, self._replica_server):
             if link is not None:
                 link.close()
+        self._copier.shutdown(wait=True)  # a copy under way ends (its rank is dead) before its directory goes
+        self._copy_maps.close()
         if self._memory is not None:
             self._memory.destroy()
 
@@ -532,6 +544,27 @@ class NodeAgent:
                 self._peer = ReplicaClient(address, self._secret, REPLICA_TIMEOUT_S)
         if old is not None:
             old.close()  # after a send under way on it (which holds the link): not under the agent's lock
+
+    def _copy_out(self, c: _Child, message: CopyOut) -> None:
+        """On the copier's thread: write a rank's snapshot from its memory (`storage.copy_out`) the way the rank would
+        (`elastic.train.Trainer._write_memory`): drop its older files, fill the file, mark it complete; answer the
+        rank (it may change those tensors from then on), then replicate it like a snapshot the rank wrote."""
+        if message.heads is not None:
+            c.copy_heads = message.heads
+        step, rank, generation = message.step, message.rank, message.generation
+        error, refused = None, False
+        try:
+            self._memory.copy_in(c.proc.pid, message, c.copy_heads, self._copy_maps)
+        except Exception as exc:  # noqa: BLE001 - the memory tier misses this step; the rank is told why
+            error, refused = self._memory.describe_failure(exc), isinstance(exc, CopyRefused)
+        try:
+            with c.send_lock:
+                c.conn.send(Copied(generation, step, error, refused))
+        except (OSError, ValueError):
+            return  # the rank is gone: its file, if complete, stays (a snapshot of a step it finished)
+        if error is None:
+            self._take_snapshot(c, generation, {"kind": "mem_saved", "t": time.time(), "step": step, "rank": rank,
+                                                "bytes": message.size, "has_file": bool(message.size), "save_s": time.time() - message.t0})
 
     def _take_snapshot(self, c: _Child, generation: int, rec: dict) -> None:
         """A rank finished a memory snapshot. Where the job keeps replicas, the rank waits for an answer: the replica's,

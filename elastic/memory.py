@@ -56,6 +56,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from elastic.messages import CopyOut
+from storage.copy_out import fill_from_process, rows_from_heads
 from storage.format import CheckpointError, crc32, data_file, data_file_generation, parse_step_dir, step_dir
 from storage.fs import FileMaps, Store, _pwrite_all
 
@@ -205,6 +207,22 @@ class NodeMemory:
         it (atomically), with the rank's newest step records: the controller's copy of them may die with the node
         (see `step_records`)."""
         self._publish_rows(step, rank, generation, rows_body(rows, records))
+
+    def copy_in(self, pid: int, message: CopyOut, heads: list[str], maps: FileMaps) -> None:
+        """Write a rank's snapshot out of the memory of its process `pid` (`storage.copy_out`), as the rank would write
+        it itself: drop its older files, fill its file through `maps`, mark it complete. `heads`: its rows' (the
+        message's, or those of an earlier message). Raises `storage.copy_out.CopyRefused` where the kernel refuses."""
+        step, rank, generation = message.step, message.rank, message.generation
+        self.keep_two(rank, generation, step, reuse=message.reuse)
+        crcs, file_crc = [], 0
+        if message.size:
+            def fill(view: memoryview) -> None:
+                nonlocal crcs, file_crc
+                crcs, file_crc = fill_from_process(pid, message.regions, view)
+
+            self.store.fill_mapped(f"{step_dir(step)}/{data_file(rank, generation)}", message.size, fill, maps)
+        self.finish(step, rank, generation, rows_from_heads(heads, message.size, crcs, file_crc) if message.size else [],
+                    message.records)
 
     def _publish_rows(self, step: int, rank: int, generation: int, body: bytes) -> None:
         self.store.write_atomic(f"{step_dir(step)}/{rows_file(rank, generation)}", body, durable=False)

@@ -10,7 +10,9 @@ that comes after its deadline is never taken for the next command's. Unasked,
 Rank → agent, unasked: `Ready` once it has imported what a generation needs
 (or `StartFailed`), and its `RankState` whenever it has news. A rank that
 restores from the memory tier asks, with `Pull`, for the bytes it reads;
-the agent answers `Pulled` once they are on the node.
+the agent answers `Pulled` once they are on the node. A CPU rank has its
+memory snapshots copied out of its memory by the agent (`CopyOut`), which
+answers `Copied` once the file is complete.
 
 Agent → controller: a `RankStatus` per rank from each poll.
 
@@ -91,6 +93,17 @@ class Replicated:
 
 
 @dataclass(frozen=True)
+class Copied:
+    """The answer to the rank's `CopyOut` of `step` (of `generation`): the file is complete on this node, or `error`
+    says why not; `refused`: the kernel does not let the agent read the rank's memory (the rank writes its own)."""
+
+    generation: int
+    step: int
+    error: str | None = None
+    refused: bool = False
+
+
+@dataclass(frozen=True)
 class Pulled:
     """The answer to the rank's `Pull` `id`: the ranges are in this node's memory (those of the files `fetched`,
     `nbytes` in all, came from other nodes now), or `error` says why not."""
@@ -112,6 +125,25 @@ class Pull:
 
     id: int
     ranges: dict[str, list[tuple[int, int]]]
+
+
+@dataclass(frozen=True)
+class CopyOut:
+    """Copy the rank's memory snapshot of `step` out of its memory into this node's memory directory
+    (`storage.copy_out`): `size` bytes (0: the rank has nothing to store) from `regions` ((address, nbytes, offset in
+    the file)), with the rows `heads` (None: those of the rank's previous CopyOut) and the rank's newest step
+    `records`. `reuse`: as `elastic.memory.NodeMemory.keep_two`'s; `t0`: when the rank asked (the snapshot's time).
+    The rank changes none of those bytes until `Copied` comes."""
+
+    generation: int
+    step: int
+    rank: int
+    size: int
+    regions: list[tuple[int, int, int]]
+    heads: list[str] | None
+    records: list[dict]
+    reuse: bool
+    t0: float
 
 
 @dataclass(frozen=True)

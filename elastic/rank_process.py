@@ -53,7 +53,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from elastic.messages import (
-    ABORT_JOIN_S, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start, StartFailed, StopAfter,
+    ABORT_JOIN_S, Copied, CopyOut, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start,
+    StartFailed, StopAfter,
 )
 
 REPORT_EVERY_S = 1.0
@@ -117,6 +118,7 @@ class RankRuntime:
         self._generation = -1
         self._lock = threading.Lock()  # a push and a reset never interleave
         self._pulls: dict[int, list] = {}  # Pull id -> [answered Event, Pulled or None]
+        self._copies: dict[tuple[int, int], list] = {}  # (generation, step) of a CopyOut -> [answered Event, Copied or None]
         self._pull_ids = itertools.count()
         threading.Thread(target=self._report, name="reporter", daemon=True).start()
 
@@ -132,7 +134,7 @@ class RankRuntime:
         spec = RankSpec(**command.spec)
         with self._lock:
             self._generation = spec.generation
-            self._control = Control(pull=self.pull)
+            self._control = Control(pull=self.pull, copy_out=self.copy_out)
             self._progress = Progress()
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False
@@ -170,6 +172,26 @@ class RankRuntime:
         if answer.error is not None:
             raise RuntimeError(f"the node agent could not pull what this rank reads of the memory step: {answer.error}")
         return list(answer.fetched), answer.nbytes
+
+    def copy_out(self, message: CopyOut):
+        """Have the agent copy a memory snapshot out of this process (`elastic.train.Control.copy_out`); returns the
+        wait for its `Copied`. No timeout: the tensors it reads must not change or go before it answers, and the
+        agent always answers (where it dies, this process ends with it)."""
+        waiting = [threading.Event(), None]
+        self._copies[(message.generation, message.step)] = waiting
+        self._send(message)
+
+        def wait() -> Copied:
+            waiting[0].wait()
+            return waiting[1]
+
+        return wait
+
+    def copied(self, message: Copied) -> None:
+        waiting = self._copies.pop((message.generation, message.step), None)
+        if waiting is not None:
+            waiting[1] = message
+            waiting[0].set()
 
     def pulled(self, message: Pulled) -> None:
         waiting = self._pulls.get(message.id)
@@ -324,7 +346,7 @@ def _serve(conn: Connection) -> None:
     send(Ready(os.getpid()))
     while True:
         try:
-            request: Request | Replicated | Pulled = conn.recv()
+            request: Request | Replicated | Pulled | Copied = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the agent is gone: so is this rank
         if isinstance(request, Replicated):  # unasked: no reply
@@ -332,6 +354,9 @@ def _serve(conn: Connection) -> None:
             continue
         if isinstance(request, Pulled):  # the answer to the rank's own Pull
             runtime.pulled(request)
+            continue
+        if isinstance(request, Copied):  # the answer to the rank's own CopyOut
+            runtime.copied(request)
             continue
         try:
             reply = Reply(request.id, runtime.serve(request.command))

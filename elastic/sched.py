@@ -13,12 +13,14 @@ the job's other threads on `SCHED_BATCH` (plain torch.distributed ranks:
 2,300-2,600); see `bench/README.md` for what it did to step times.
 
 A rank's training thread and the threads it starts (gloo's, torch's) stay on
-the normal policy, and so does its memory-snapshot writer: a Python thread
-shares the training thread's GIL, and on `SCHED_IDLE` it was descheduled while
-holding it whenever the cores were busy, stalling the training thread behind
-it (the memory tier's step cost on `dp_shard=4`: 1.43x on SCHED_IDLE, 1.03x
-on the normal policy). Where the policy cannot be set (not Linux, or a sandbox
-that forbids it) nothing changes.
+the normal policy, and so does its memory-snapshot writer (a GPU rank's): a
+Python thread shares the training thread's GIL, and on `SCHED_IDLE` it was
+descheduled while holding it whenever the cores were busy, stalling the
+training thread behind it (the memory tier's step cost on `dp_shard=4`: 1.43x
+on SCHED_IDLE, 1.03x on the normal policy). A CPU rank's snapshots are
+therefore copied by its node agent (`storage.copy_out`), whose thread can be
+idle. Where the policy cannot be set (not Linux, or a sandbox that forbids
+it) nothing changes.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def idle_this_thread() -> None:
 
     For the node agent's memory-tier replication (a copy that training never
     waits on while a core is idle now and then): the memory tier's step cost on
-    `hsdp 2x2` went from 1.23x to 1.01x, on `pp=2 gpipe` from 1.24x to 1.03x.
-    Never for a thread of a rank process (see above).
+    `hsdp 2x2` went from 1.23x to 1.01x, on `pp=2 gpipe` from 1.24x to 1.03x;
+    and for its copies of the snapshots out of its CPU ranks' memory (in-run,
+    `dp_shard=4` 1.02x against 1.06x written by the rank's own thread). Never
+    for a thread of a rank process (see above).
     """
     if hasattr(os, "SCHED_IDLE"):
         _set_policy(0, os.SCHED_IDLE)

@@ -11,6 +11,7 @@ state that must survive a restart is the tensors plus two integers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_d
 from elastic.faults import Fault
 from elastic.layout import Layout
 from elastic.memory import NodeMemory
+from elastic.messages import Copied, CopyOut
 from storage.state import SnapshotPool
 from storage.fs import FileMaps
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize, model_vocab_size
@@ -113,15 +115,19 @@ class Acks:
 class Control:
     """What the controller can ask of a running loop: stop now, or stop after a given step (a planned resize).
 
-    `replicated` carries the agent's acknowledgements of memory snapshots replicated to another node; `pull` has the
-    agent fetch the byte ranges of a staged memory step's files that a restoring rank reads and its node lacks (it
-    returns the files it fetched from and the bytes; None: no agent, every file is where the load looks).
+    `replicated` carries the agent's acknowledgements of memory snapshots replicated to another node; `copy_out`
+    hands it a snapshot to copy out of the rank's memory; `pull` has the agent fetch the byte ranges of a staged
+    memory step's files that a restoring rank reads and its node lacks (it returns the files it fetched from and the
+    bytes; None: no agent, every file is where the load looks).
     """
 
     stop: threading.Event = field(default_factory=threading.Event)
     stop_at: int | None = None
     replicated: Acks = field(default_factory=Acks)
     pull: Callable[[dict[str, list[tuple[int, int]]]], tuple[list[str], int]] | None = None
+    copy_out: Callable[[CopyOut], Callable[[], Copied]] | None = None
+    """Hand a memory snapshot to the agent to copy out of this process (`storage.copy_out`); returns the wait for its
+    answer. None: no agent, the rank writes its snapshots itself."""
 
 
 @dataclass
@@ -181,7 +187,10 @@ class Trainer:
         self._memory_maps = FileMaps()  # the maps of this rank's two memory files, overwritten in turn (storage.fs.FileMaps)
         self._memory_records: deque[dict] = deque(maxlen=MEMORY_RECORDS)  # this rank's newest step records, for its snapshots
         self._memory_layout: dict = {}  # storage.plan_writes' layout cache for the memory snapshots (this generation's layout)
-        self._memory_pending = None  # (step, Future) of the memory snapshot in flight
+        self._memory_pending = None  # (step, wait) of the memory snapshot in flight: wait() returns once it is complete
+        # A CPU rank's snapshots are copied out of its memory by its agent (storage.copy_out), off the rank's threads.
+        self._copies_out = self.memory is not None and self.control.copy_out is not None and spec.device == "cpu"
+        self._heads_sent = None  # the rows template whose heads the agent has (CopyOut.heads)
         self._memory_stall = 0.0  # what waiting for memory snapshots blocked training since the last step record
         self._memory_reuse = True  # whether the files that retention drops may be overwritten (no send of them is late)
         self._restore_pull: dict = {}  # what a restore from memory had its agent fetch from other nodes (the "ready" record)
@@ -254,6 +263,9 @@ class Trainer:
             return self._run()
         finally:
             self.writer.close()
+            if self._memory_pending is not None:  # a copy out of this process must end before its tensors go
+                with contextlib.suppress(Exception):
+                    self._memory_pending[1]()
             if self._memory_pool is not None:
                 self._memory_pool.shutdown(wait=True)  # a memory snapshot in flight ends in this generation's files
             self._memory_maps.close()
@@ -398,17 +410,45 @@ class Trainer:
     def memory_save(self, step: int) -> None:
         """Snapshot this rank's shards after `step` steps into node memory, overlapping the next forward and backward.
 
-        On the CPU the write into memory is itself the copy: it reads the live
-        tensors, which nothing changes before `_memory_settled` (the next
-        optimizer step waits for it). On a GPU the pieces are first copied to
-        pinned host memory on a side stream.
+        On the CPU the node agent copies the live tensors straight out of
+        this process (`_copy_out`), which nothing changes before
+        `_memory_settled` (the next optimizer step waits for it); where the
+        kernel refuses, and on a GPU, the rank's writer thread writes them (on
+        a GPU after a copy to pinned host memory on a side stream).
         """
         self._memory_settled()
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
+        if self._copies_out:
+            self._memory_pending = (step, self._copy_out(step, tensors))
+            return
         ready = storage.compute_done(tensors)  # here: after the optimizer step's kernels, before the next step's
-        self._memory_pending = (step, self._memory_pool.submit(self._write_memory, step, tensors, ready, list(self._memory_records),
-                                                               self._memory_reuse))
+        future = self._memory_pool.submit(self._write_memory, step, tensors, ready, list(self._memory_records), self._memory_reuse)
+        self._memory_pending = (step, future.result)
+
+    def _copy_out(self, step: int, tensors: dict) -> Callable[[], None]:
+        """Have the agent copy this snapshot out of this process's memory; returns the wait for it, which raises if
+        the copy failed (and, where the agent may not read this process, has the rank write its snapshots itself)."""
+        plan = storage.plan_copy(tensors, self.rank, self.spec.generation, self._memory_layout)
+        heads = None
+        if plan is not None and plan.template is not self._heads_sent:
+            heads, self._heads_sent = plan.template.heads(), plan.template
+        answer = self.control.copy_out(CopyOut(
+            self.spec.generation, step, self.rank, plan.size if plan else 0, plan.regions if plan else [], heads,
+            list(self._memory_records), self._memory_reuse, time.time(),
+        ))
+
+        held = [tensors, plan]  # until the copy is done: nothing it reads may be freed before
+
+        def wait() -> None:
+            copied = answer()
+            held.clear()
+            if copied.error is not None:
+                if copied.refused:
+                    self._copies_out = False
+                raise RuntimeError(copied.error + ("; this rank writes its memory snapshots itself from now on" if copied.refused else ""))
+
+        return wait
 
     def _write_memory(self, step: int, tensors: dict, ready: "torch.cuda.Event | None", records: list[dict], reuse: bool) -> None:
         """On the memory writer's thread: drop the older files, write the pieces, mark them complete, tell the agent
@@ -435,10 +475,10 @@ class Trainer:
         """
         if self._memory_pending is None:
             return
-        (step, future), self._memory_pending = self._memory_pending, None
+        (step, wait), self._memory_pending = self._memory_pending, None
         t0 = time.time()
         try:
-            future.result()
+            wait()
         except Exception as exc:  # noqa: BLE001 - the memory tier misses a step; training goes on
             self.progress.record("mem_failed", step=step, error=self.memory.describe_failure(exc))
             return

@@ -29,7 +29,7 @@ _HOMES = {
     "storage.reader": ("ReadPlanner", "load_into", "load_shards", "load_training_state"),
     "storage.safetensors": ("SafetensorsDir", "export_checkpoint", "load_pretrained"),
     "storage.state": ("LocalPart", "compute_done", "snapshot", "state_tensors"),
-    "storage.writer": ("BackgroundWriter", "gather_and_commit", "rows_json", "write_shards"),
+    "storage.writer": ("BackgroundWriter", "gather_and_commit", "plan_copy", "rows_json", "write_shards"),
 }
 """Where each name of the package's API lives. It is imported on first use (PEP 562): the node agent reads, writes and
 commits checkpoints (`storage.format`, `storage.catalog`) in a process that never imports torch, which the reader

@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,16 +37,14 @@ from storage.format import (
     step_dir,
 )
 from storage.catalog import commit
+from storage.copy_out import BLOCK as _BLOCK
+from storage.copy_out import RECHECK_MAX as _RECHECK_MAX
+from storage.copy_out import rows_from_heads
 from storage.fs import FileMaps, Store
 from storage.state import LocalPart, SnapshotPool, compute_done, copy_pieces, plan_writes
 
-_BLOCK = 1 << 20
-"""A piece is checksummed and handed to the store in blocks of this size (still in cache when the store copies it)."""
 _ZEROS = memoryview(bytes(ALIGN))
 """The zero padding before a piece (less than `ALIGN` bytes)."""
-_RECHECK_MAX = 0 if COMBINE_IS_CHEAP else 64 << 10
-"""Pieces smaller than this are checksummed a second time into the file's CRC-32 rather than combined into it
-(a combine in Python costs as much as a pass over 64 KiB)."""
 
 
 def write_shards(
@@ -136,12 +135,15 @@ class _RowsTemplate:
         self.last: list[dict] | None = None  # the rows `write_shards` returned last from this template
         self._heads: list[str] | None = None  # each row's JSON up to its crc32 (`rows_json`)
 
-    def json(self, rows: list[dict]) -> str:
-        """`rows` (as `write_shards` returned them from this template) as a JSON array, filling in the checksums."""
+    def heads(self) -> list[str]:
+        """Each row's JSON up to its checksum (`storage.copy_out.rows_from_heads` completes them)."""
         if self._heads is None:
             self._heads = [json.dumps(row)[:-1] + ', "crc32": ' for row in self.rows]
-        tail = f', "file_bytes": {self.size}, "file_crc32": {rows[0]["file_crc32"]}}}'
-        return "[" + ", ".join(f"{head}{row['crc32']}{tail}" for head, row in zip(self._heads, rows)) + "]"
+        return self._heads
+
+    def json(self, rows: list[dict]) -> str:
+        """`rows` (as `write_shards` returned them from this template) as a JSON array, filling in the checksums."""
+        return rows_from_heads(self.heads(), self.size, [row["crc32"] for row in rows], rows[0]["file_crc32"])
 
 
 def _plan_signature(plan: dict[str, LocalPart]) -> tuple:
@@ -157,6 +159,39 @@ def _rows_template(plan: dict[str, LocalPart], rel: str, layout_cache: dict | No
     if layout_cache is not None:
         layout_cache[("rows", rel)] = template
     return template
+
+
+@dataclass
+class CopyPlan:
+    """A rank's data file of live CPU tensors as another process copies it (`storage.copy_out.fill_from_process`):
+    its name, size, the pieces' `regions` ((address, nbytes, offset in the file), in file order) and the rows'
+    `template` (`heads()` for `storage.copy_out.rows_from_heads`). `keep` holds the contiguous copies some regions
+    point into; the tensors the others point into must not change, or go, until the copy is done."""
+
+    rel: str
+    size: int
+    regions: list[tuple[int, int, int]]
+    template: _RowsTemplate
+    keep: list[torch.Tensor]
+
+
+def plan_copy(tensors: dict, rank: int, generation: int, layout_cache: dict | None = None) -> CopyPlan | None:
+    """What another process copies to write `rank`'s file of `tensors` (live CPU tensors), as `write_shards` would
+    (the same pieces, offsets and rows); None where the rank has nothing to write."""
+    plan = plan_writes(tensors, layout_cache)
+    if not any(part.pieces for part in plan.values()):
+        return None
+    rel = data_file(rank, generation)
+    template = _rows_template(plan, rel, layout_cache)
+    regions, keep = [], []
+    for row, (_, data) in zip(template.rows, (piece for part in plan.values() for piece in part.pieces)):
+        if data.device.type != "cpu":
+            raise ValueError(f"{row['key']}: only CPU tensors can be copied out of the process (it is on {data.device})")
+        if not data.is_contiguous():
+            data = data.contiguous()
+            keep.append(data)
+        regions.append((data.data_ptr(), row["nbytes"], row["byte_offset"]))
+    return CopyPlan(rel, template.size, regions, template, keep)
 
 
 def rows_json(rows: list[dict], layout_cache: dict | None = None) -> str:

@@ -46,7 +46,9 @@ def test_chaos_short(tmp_path):
         "node:rank=3,step=13,back=3",  # shrink to 2 workers, then grow back when the node returns
         "hang:rank=1,step=25,where=collective",
         "corrupt:step=26",  # flips the newest durable checkpoint (24): found when the next restore looks
-        "corrupt:step=30,where=memory",  # flips every memory snapshot: the next restore falls back to the durable tier
+        # Flips every memory snapshot: the next restore (the kill's at 32) falls back to the durable tier. Due once the
+        # controller has seen step 27 end; its view trails the ranks by up to elastic.train.STEP_REPORT_S of steps.
+        "corrupt:step=28,where=memory",
         "kill_during_save:rank=0,step=32",  # dies writing snapshot 32 (memory first), before the durable save of 32
     ]
     report, result = _chaos(tmp_path, steps=40, every=8, inject=inject)

@@ -7,6 +7,7 @@ on an embedded multi-node Ray cluster with real process and node kills.
 """
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -757,3 +758,152 @@ def test_a_snapshots_copy_waits_for_the_optimizer_step_it_follows_not_for_the_ne
     assert saved == [1, 2, 3, 4], saved  # a snapshot after every step but the last (the durable save has it)
     assert len(asked) >= len(saved) and set(asked) == {"training"}, asked  # (the final durable save asks too)
     assert sorted(node.inventory()) == [(1, 3), (1, 4)]
+
+
+_COPY_STATE = """
+torch.manual_seed(7)
+# Pieces smaller than a block and one of many blocks (storage.copy_out.BLOCK), and one that is not contiguous.
+state = {"model.a": torch.randn(1000, 300), "model.b": torch.randn(7), "model.c": torch.randn(1200, 900),
+         "model.d": torch.randn(64, 48).t()}
+"""
+
+
+def _copy_in(root: str, pid: int, gone: int, size: int, regions: list, heads: list[str]) -> dict:
+    """An agent's copier, in a process of its own: copy step 5 of rank 3 (generation 2) out of process `pid`'s memory
+    into a node's memory at `root`, then try step 6 from process `gone`, which has ended."""
+    from elastic.messages import CopyOut
+    from storage.copy_out import CopyRefused
+
+    copied, maps = NodeMemory(root), FileMaps()
+    regions = [tuple(r) for r in regions]
+    copied.copy_in(pid, CopyOut(2, 5, 3, size, regions, heads, [{"kind": "step", "step": 4}], True, time.time()), heads, maps)
+    try:
+        copied.copy_in(gone, CopyOut(2, 6, 3, size, regions, heads, [], True, time.time()), heads, maps)
+        error = None
+    except OSError as exc:
+        error = [str(exc), isinstance(exc, CopyRefused)]
+    maps.close()
+    return {"error": error}
+
+
+def test_a_snapshot_copied_out_of_a_ranks_memory_is_the_file_the_rank_would_write(tmp_path):
+    # The node agent copies a CPU rank's snapshot straight out of the rank's memory (storage.copy_out): the same
+    # bytes and rows, checksums included, as the rank's own write. This process is the rank; the copier runs in a
+    # fresh one (as an agent does). A copy from a process that has ended fails, naming it, and is not taken for a
+    # kernel that refuses such copies (which would make the rank write its own); it leaves no rows.
+    scope = {"torch": torch}
+    exec(_COPY_STATE, scope)
+    state = scope["state"]
+    plan = storage.plan_copy(state, 3, 2, {})
+    own = NodeMemory(tmp_path / "own")
+    rows = _write_state(own, state)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    tests = Path(__file__).resolve().parent
+    args = [str(tmp_path / "copied"), os.getpid(), ended.pid, plan.size, plan.regions, plan.template.heads()]
+    code = f"import json, test_memory_tier as t; print(json.dumps(t._copy_in(*json.loads({json.dumps(json.dumps(args))}))))"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    copied = NodeMemory(tmp_path / "copied")
+    assert copied.read(5, data_file(3, 2)) == own.read(5, data_file(3, 2))
+    assert copied.inventory() == {(2, 5): {3: rows}}
+    assert copied.verify(5, 3, rows) is None and copied.step_records(2, 5) == {3: [{"kind": "step", "step": 4}]}
+    message, refused = result["error"]
+    assert f"process {ended.pid}" in message and not refused
+    assert copied.complete_ranks(2, 6) == set()  # no rows: never taken for a snapshot
+
+
+def _write_state(mem: NodeMemory, tensors: dict) -> list[dict]:
+    mem.keep_two(3, 2, 5)
+    rows = storage.write_shards(mem.uri, 5, 3, tensors, generation=2, durable=False)
+    mem.finish(5, 3, 2, storage.rows_json(rows), [{"kind": "step", "step": 4}])
+    return rows
+
+
+def _train_with_a_copier(root: str, refuse_at: int | None) -> dict:
+    """The real Trainer on a gloo world of one, its memory snapshots copied out of its memory by an agent's copier
+    (NodeMemory.copy_in on a thread of its own, reading this process); the copy of `refuse_at` is refused as a
+    kernel would (storage.copy_out.CopyRefused). Run in a process of its own: what it returns, as JSON."""
+    import hashlib
+
+    from elastic.messages import Copied
+    from elastic.train import Control
+    from storage.copy_out import CopyRefused
+
+    root = Path(root)
+    cfg = load_config(None, [f"checkpoint.uri={root / 'ckpt'}", "checkpoint.memory=true", "checkpoint.memory_replicas=0",
+                             f"checkpoint.memory_dir={root / 'memory'}", "training.steps=6", "training.global_batch=4",
+                             "training.micro_batch=4", "scaling.num_workers=1", "checkpoint.every_steps=100"])
+    node = NodeMemory(root / "memory" / "node" / "job")
+    spec = RankSpec(config=cfg.model_dump(mode="json"), layout=Layout().as_dict(), rank=0, generation=1, memory_dir=node.uri)
+    progress, maps, writers, heads, asked = Progress(), FileMaps(), set(), {}, []
+
+    def copy_out(message):
+        answer = []
+        asked.append(message.step)
+        heads["now"] = message.heads or heads["now"]
+        writers.update(t.name for t in threading.enumerate() if t.name.startswith("memory-writer"))
+
+        def copy():
+            try:
+                if message.step == refuse_at:
+                    raise CopyRefused(1, "cannot read the memory of process 1: Operation not permitted")
+                node.copy_in(os.getpid(), message, heads["now"], maps)
+                progress.record("mem_saved", step=message.step, rank=0, bytes=message.size, has_file=True, save_s=0.0)
+                answer.append(Copied(1, message.step))
+            except CopyRefused as exc:
+                answer.append(Copied(1, message.step, str(exc), refused=True))
+
+        thread = threading.Thread(target=copy, name="copier")
+        thread.start()
+        return lambda: (thread.join(), answer[0])[1]
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        trainer = Trainer(spec, progress, control=Control(copy_out=copy_out))
+        finished = trainer.run()
+        state = hashlib.sha256()
+        for key, value in sorted(storage.state_tensors(trainer.pm.model_parts, trainer.optimizer).items()):
+            state.update(key.encode() + getattr(value, "_local_tensor", value).contiguous().numpy().tobytes())
+    finally:
+        dist.destroy_process_group()
+        maps.close()
+    records = progress.drain()
+    rows = node.inventory().get((1, 5), {}).get(0)
+    return {
+        "finished": finished, "asked": asked, "writers": sorted(writers), "state": state.hexdigest(),
+        "saved": [r["step"] for r in records if r["kind"] == "mem_saved"],
+        "failed": [[r["step"], r["error"]] for r in records if r["kind"] == "mem_failed"],
+        "held": [list(k) for k in sorted(node.inventory())], "verify": node.verify(5, 0, rows) if rows else "no rows",
+        "file": str(node.data_path(5, 0, 1)),
+    }
+
+
+def test_a_ranks_snapshots_are_copied_out_by_its_agent_and_written_by_the_rank_where_the_kernel_refuses(tmp_path):
+    # The real Trainer with an agent's copier reading its memory (_train_with_a_copier, in a fresh process: a copy
+    # into this one's memory is not what a test should risk): every snapshot but the last step's is complete and
+    # verifies, each copy is answered before the optimizer step that follows it changes the tensors (a copied file
+    # is byte for byte the file the rank writes itself of the same step), and no thread of the rank writes them.
+    # Where the kernel refuses the copy, that step is reported failed and the rank writes the next ones itself.
+    runs = {}
+    for refuse_at in (None, 2):
+        root = tmp_path / f"refuse-{refuse_at}"
+        code = f"import json, test_memory_tier as t; print(json.dumps(t._train_with_a_copier({str(root)!r}, {refuse_at!r})))"
+        tests = Path(__file__).resolve().parent
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{tests}{os.pathsep}{tests.parent}"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[refuse_at] = run = json.loads(done.stdout.strip().splitlines()[-1])
+        assert run["finished"] and run["writers"] == []  # while the agent copies, no thread of the rank writes
+        assert run["held"] == [[1, 4], [1, 5]] and run["verify"] is None
+        if refuse_at:
+            assert run["saved"] == [1, 3, 4, 5] and run["asked"] == [1, 2]  # the rank's own writer wrote 3, 4 and 5
+            assert [f[0] for f in run["failed"]] == [2] and "writes its memory snapshots itself" in run["failed"][0][1]
+        else:
+            assert run["saved"] == [1, 2, 3, 4, 5] and run["asked"] == [1, 2, 3, 4, 5] and run["failed"] == []
+    # Step 5 copied out by the agent, and written by the rank: the same bytes; and the same final state.
+    assert Path(runs[None]["file"]).read_bytes() == Path(runs[2]["file"]).read_bytes()
+    assert runs[None]["state"] == runs[2]["state"]
