@@ -79,7 +79,7 @@ def _batches(regions: list[tuple[int, int, int]]):
         yield batch
 
 
-def _read_batch(pid: int, view: memoryview, batch: list[tuple[int, int, int, int]], base: int) -> None:
+def _read_batch(pid: int, batch: list[tuple[int, int, int, int]], base: int) -> None:
     n = len(batch)
     local, remote = (_Iovec * n)(), (_Iovec * n)()
     want = 0
@@ -104,7 +104,7 @@ def fill_from_process(pid: int, regions: list[tuple[int, int, int]], view: memor
     base = ctypes.addressof(ctypes.c_char.from_buffer(view))
     crcs, file_crc, pos = [0] * len(regions), 0, 0
     for batch in _batches(regions):
-        _read_batch(pid, view, batch, base)
+        _read_batch(pid, batch, base)
         for i, _, nbytes, offset in batch:
             if offset > pos:  # the padding before a piece (its first chunk)
                 view[pos:offset] = bytes(offset - pos)

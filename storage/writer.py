@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from storage.format import (
     ALIGN,
-    COMBINE_IS_CHEAP,
     CheckpointError,
     align_up,
     crc32,
