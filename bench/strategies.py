@@ -51,7 +51,11 @@ by up to 15% on this machine whatever they run, more than the effect; so
 `--interleaved` also measures it within single runs (a snapshot after every
 other step: each step that overlaps one against the two around it, which do
 not, and the same figure for a run with the tier off as the control) and adds
-`interleaved_ratio` and `interleaved_control_ratio` to each layout.
+`interleaved_ratio` and `interleaved_control_ratio` to each layout. With
+`--busy N` the same in-run measure runs while N other processes spin on the
+CPU (a node whose cores something else keeps busy, where the agent's idle
+copies must be lifted: `elastic.sched`) and adds `busy_ratio` and
+`busy_control_ratio` instead.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -323,18 +328,28 @@ def bench_memory_interleaved(name: str, world: int, sets: list[str], args, index
     """The layout's memory-tier cost within one run: a snapshot after every other step, the steps that overlap one
     against those that do not; and the same split of a run with the tier off, which should give 1 (the control)."""
     first, last = args.warmup, args.steps - 2
+    key = "busy" if args.busy else "interleaved"
     out = {"layout": name}
     for on in (True, False) if index % 2 == 0 else (False, True):
         records, _ = run_manager(job_config(name, world, sets, args.steps, workdir, memory=on, memory_every=2))
         times = step_times(records, first, last)
         if on:
-            out["interleaved_ratio"] = parity_ratio(times, 2)
-            out["interleaved_stall_s_median"] = statistics.median(
+            out[f"{key}_ratio"] = parity_ratio(times, 2)
+            out[f"{key}_stall_s_median"] = statistics.median(
                 r.get("memory_stall_s", 0.0) for rs in records for r in rs if r["kind"] == "step" and first <= r["step"] <= last)
         else:
-            out["interleaved_control_ratio"] = parity_ratio(times, 2)
+            out[f"{key}_control_ratio"] = parity_ratio(times, 2)
         print(f"  {name:28s} memory {'on, every 2 steps' if on else 'off'}: parity ratio {parity_ratio(times, 2):.3f}", flush=True)
     return out
+
+
+def memory_busy_markdown(result: dict) -> str:
+    """The `--interleaved --busy N` figures of the layouts that have them, as a markdown table."""
+    lines = ["| layout | world | in-run ratio, cores busy | in-run control, cores busy |", "|---|---:|---:|---:|"]
+    for r in result["layouts"]:
+        if r.get("busy_ratio") is not None:
+            lines.append(f"| {r['layout']} | {r['world']} | {r['busy_ratio']:.3f} | {r['busy_control_ratio']:.3f} |")
+    return "\n".join(lines)
 
 
 def memory_cost_markdown(result: dict) -> str:
@@ -392,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-cost", action="store_true", help="measure the memory tier on vs off instead (bench/results/memory_tier.json)")
     parser.add_argument("--interleaved", action="store_true",
                         help="with --memory-cost: measure it within single runs instead, and add that to the layouts of --out")
+    parser.add_argument("--busy", type=int, default=0,
+                        help="with --interleaved: other processes that spin on the CPU meanwhile (busy_ratio, busy_control_ratio)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.out = args.out or (MEMORY_RESULTS if args.memory_cost else RESULTS)
@@ -404,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only matches no layout; layouts: {[n for n, _, _ in LAYOUTS]}")
     t0 = time.time()
     result = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds, "layouts": []}
+    if args.busy and not args.interleaved:
+        parser.error("--busy goes with --interleaved")
     if args.interleaved:
         if not args.memory_cost:
             parser.error("--interleaved goes with --memory-cost")
@@ -431,13 +450,23 @@ def add_interleaved(args, selected: list) -> int:
     t0 = time.time()
     result = json.loads(args.out.read_text())
     by_name = {r["layout"]: r for r in result["layouts"]}
-    with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
-        for i, (name, world, sets) in enumerate(selected):
-            by_name.setdefault(name, {"layout": name, "world": world}).update(bench_memory_interleaved(name, world, sets, args, i, Path(tmp)))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
+            for i, (name, world, sets) in enumerate(selected):
+                by_name.setdefault(name, {"layout": name, "world": world}).update(bench_memory_interleaved(name, world, sets, args, i, Path(tmp)))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
     result["layouts"] = list(by_name.values())
-    result["interleaved"] = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "wall_s": time.time() - t0}
+    run = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "wall_s": time.time() - t0}
+    if args.busy:
+        result["busy"] = {**run, "spinning_processes": args.busy}
+    else:
+        result["interleaved"] = run
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(memory_cost_markdown(result))
+    print(memory_busy_markdown(result) if args.busy else memory_cost_markdown(result))
     print(f"\nadded the in-run measure to {args.out} in {time.time() - t0:.0f}s")
     return 0
 

@@ -64,10 +64,10 @@ from storage.fs import FileMaps
 from elastic.memory import NodeMemory, memory_root, sweep_abandoned
 from elastic.replica_link import ReplicaClient, ReplicaServer
 from elastic.messages import (
-    Command, Copied, CopyOut, DumpStacks, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump, Start,
-    StartFailed, StopAfter,
+    Command, Copied, CopyOut, DumpStacks, Hurry, Pull, Pulled, RankState, RankStatus, Ready, Replicated, Reply, Request, Reset, StackDump,
+    Start, StartFailed, StopAfter,
 )
-from elastic.sched import batch_this_process, idle_this_thread
+from elastic.sched import Background, batch_this_process
 from elastic.zygote import ForkedRank, Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,11 +184,13 @@ class NodeAgent:
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         self._replica_server = ReplicaServer(self._memory, host, self._secret) if self._replicas else None
         self._peer: ReplicaClient | None = None
+        self._peer_agent = None  # the agent at the other end of `_peer`, which a rank's `Hurry` reaches too
         self._peer_order = 0  # the newest set_peer call's number
         self._replicating = 0  # snapshots handed to the replicator and not yet answered
-        self._replicator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate", initializer=idle_this_thread)
-        # The copies of CPU ranks' snapshots out of their memory (storage.copy_out), on SCHED_IDLE like the replicas.
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="copy-out", initializer=idle_this_thread)
+        self._replicator = Background("replicate")
+        # The copies of CPU ranks' snapshots out of their memory (storage.copy_out), on SCHED_IDLE like the replicas
+        # until a rank waits for one (`_hurry`).
+        self._copier = Background("copy-out")
         self._copy_maps = FileMaps(keep=COPY_MAPS_KEPT)
         # A restore from memory (memory_stage): where each file of the staged step is, for the ranks' Pulls; one pull
         # at a time, so that two ranks reading the same file fetch it once.
@@ -304,6 +306,8 @@ class NodeAgent:
                     self._changed.set()
             elif isinstance(message, CopyOut):
                 self._copier.submit(self._copy_out, c, message)
+            elif isinstance(message, Hurry):
+                self._hurry()
             elif isinstance(message, Pull):
                 self._puller.submit(self._pull, c, message)
             elif isinstance(message, Reply):
@@ -542,8 +546,24 @@ class NodeAgent:
                 self._peer = None
             if address is not None and self._peer is None:
                 self._peer = ReplicaClient(address, self._secret, REPLICA_TIMEOUT_S)
+            self._peer_agent = peer if address is not None else None
         if old is not None:
             old.close()  # after a send under way on it (which holds the link): not under the agent's lock
+
+    def _hurry(self) -> None:
+        """A rank waits for its snapshot's copy or replica: lift this node's copier and replicator, and the receiving
+        end on the peer, off SCHED_IDLE for a while (`elastic.sched.Background`)."""
+        self._copier.hurry()
+        self._replicator.hurry()
+        peer = self._peer_agent
+        if peer is not None:
+            peer.hurry_replicas.remote()
+
+    @ray.method(enable_task_events=False)
+    def hurry_replicas(self) -> None:
+        """The peer's rank waits for a replica this node is receiving (`_hurry`)."""
+        if self._replica_server is not None:
+            self._replica_server.hurry()
 
     def _copy_out(self, c: _Child, message: CopyOut) -> None:
         """On the copier's thread: write a rank's snapshot from its memory (`storage.copy_out`) the way the rank would

@@ -70,6 +70,10 @@ SPARE = "spare"  # data files set aside below the committed step, each for its r
 _READ_BLOCK = 8 << 20
 
 
+class SnapshotFailed(RuntimeError):
+    """A memory snapshot that failed elsewhere (the agent's copy out of the rank), its error already described."""
+
+
 def memory_root(memory_dir: str) -> Path:
     """Where a node keeps the memory tiers of its jobs: `memory_dir`, else /dev/shm (RAM), else the temporary directory."""
     if memory_dir:
@@ -191,6 +195,8 @@ class NodeMemory:
     # -- a rank's writes -------------------------------------------------------------
     def describe_failure(self, exc: BaseException) -> str:
         """A failed snapshot's error; for a full memory directory, with its size and what it must hold."""
+        if isinstance(exc, SnapshotFailed):
+            return str(exc)
         text = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             root = self.path.parent.parent

@@ -93,6 +93,15 @@ class Replicated:
 
 
 @dataclass(frozen=True)
+class Hurry:
+    """The rank must wait for its memory snapshot of `step` (its copy, or its replica): the agent lifts the idle work
+    it waits on (`elastic.sched.Background.hurry`), and has its peer lift the replica's receiving end."""
+
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
 class Copied:
     """The answer to the rank's `CopyOut` of `step` (of `generation`): the file is complete on this node, or `error`
     says why not; `refused`: the kernel does not let the agent read the rank's memory (the rank writes its own)."""

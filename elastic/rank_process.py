@@ -49,12 +49,13 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from elastic.messages import (
-    ABORT_JOIN_S, Copied, CopyOut, DumpStacks, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump, Start,
-    StartFailed, StopAfter,
+    ABORT_JOIN_S, Copied, CopyOut, DumpStacks, Hurry, Pull, Pulled, RankState, Ready, Replicated, Reply, Request, Reset, StackDump,
+    Start, StartFailed, StopAfter,
 )
 
 REPORT_EVERY_S = 1.0
@@ -118,7 +119,7 @@ class RankRuntime:
         self._generation = -1
         self._lock = threading.Lock()  # a push and a reset never interleave
         self._pulls: dict[int, list] = {}  # Pull id -> [answered Event, Pulled or None]
-        self._copies: dict[tuple[int, int], list] = {}  # (generation, step) of a CopyOut -> [answered Event, Copied or None]
+        self._copies: dict[tuple[int, int], Future] = {}  # (generation, step) of a CopyOut -> its Copied, once answered
         self._pull_ids = itertools.count()
         threading.Thread(target=self._report, name="reporter", daemon=True).start()
 
@@ -134,7 +135,7 @@ class RankRuntime:
         spec = RankSpec(**command.spec)
         with self._lock:
             self._generation = spec.generation
-            self._control = Control(pull=self.pull, copy_out=self.copy_out)
+            self._control = Control(pull=self.pull, copy_out=self.copy_out, hurry=self.hurry)
             self._progress = Progress()
             self._progress.changed = self._wake  # every record wakes the reporter
             self._error, self._finished = None, False
@@ -173,25 +174,22 @@ class RankRuntime:
             raise RuntimeError(f"the node agent could not pull what this rank reads of the memory step: {answer.error}")
         return list(answer.fetched), answer.nbytes
 
-    def copy_out(self, message: CopyOut):
-        """Have the agent copy a memory snapshot out of this process (`elastic.train.Control.copy_out`); returns the
-        wait for its `Copied`. No timeout: the tensors it reads must not change or go before it answers, and the
-        agent always answers (where it dies, this process ends with it)."""
-        waiting = [threading.Event(), None]
-        self._copies[(message.generation, message.step)] = waiting
+    def copy_out(self, message: CopyOut) -> Future:
+        """Have the agent copy a memory snapshot out of this process (`elastic.train.Control.copy_out`); the future
+        of its `Copied`. No timeout: the tensors it reads must not change or go before it answers, and the agent
+        always answers (where it dies, this process ends with it)."""
+        answer: Future = Future()
+        self._copies[(message.generation, message.step)] = answer
         self._send(message)
-
-        def wait() -> Copied:
-            waiting[0].wait()
-            return waiting[1]
-
-        return wait
+        return answer
 
     def copied(self, message: Copied) -> None:
-        waiting = self._copies.pop((message.generation, message.step), None)
-        if waiting is not None:
-            waiting[1] = message
-            waiting[0].set()
+        answer = self._copies.pop((message.generation, message.step), None)
+        if answer is not None:
+            answer.set_result(message)
+
+    def hurry(self, step: int) -> None:
+        self._send(Hurry(self._generation, step))
 
     def pulled(self, message: Pulled) -> None:
         waiting = self._pulls.get(message.id)

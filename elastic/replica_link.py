@@ -25,7 +25,9 @@ rows travel as bytes, never parsed: encoding and decoding a few hundred rows
 on both ends cost as much CPU as the file's trip through the kernel. Both
 ends run on SCHED_IDLE (`elastic.sched.idle_this_thread`): the copy fills the
 moments a core has nothing else to do, and a rank waits for its replica only
-before its next gradient-norm all-reduce.
+before its next gradient-norm all-reduce. A rank that has to wait has both
+ends lifted to SCHED_BATCH for a while (`elastic.sched.Background.hurry` on
+the sender's node, `ReplicaServer.hurry` on the receiver's).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import threading
 from pathlib import Path
 
 from elastic.memory import NodeMemory
-from elastic.sched import idle_this_thread
+from elastic.sched import Lift, idle_is_reversible, idle_this_thread, lift
 from storage.fs import FileMaps
 
 SECRET_BYTES = 32
@@ -90,6 +92,8 @@ class ReplicaServer:
         self._memory, self._secret = memory, secret
         self._sock = socket.create_server((host, 0))
         self.address = (host, self._sock.getsockname()[1])
+        self._tids: set[int] = set()  # the connections' threads
+        self._lift = Lift()
         threading.Thread(target=self._accept, name="replica-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -100,14 +104,24 @@ class ReplicaServer:
                 return  # closed
             threading.Thread(target=self._serve, args=(conn,), name="replica-in", daemon=True).start()
 
+    def hurry(self) -> None:
+        """A rank waits for a replica from this node's peer: lift the receiving threads for a while (`elastic.sched.Lift`)."""
+        if idle_is_reversible():
+            self._lift.renew()
+            for tid in list(self._tids):
+                lift(tid)
+
     def _serve(self, conn: socket.socket) -> None:
-        idle_this_thread()  # as the sender's (elastic.sched.idle_this_thread)
+        tid = threading.get_native_id()
+        self._tids.add(tid)
         maps = FileMaps(keep=_MAPS_KEPT)
         with conn:
             try:
                 if not hmac.compare_digest(_recv_exact(conn, SECRET_BYTES), self._secret):
                     return
                 while True:
+                    if not self._lift.active():  # a lift ends (`hurry`)
+                        idle_this_thread()
                     header = _recv_msg(conn)
                     try:
                         self._take(conn, header, maps)
@@ -118,6 +132,7 @@ class ReplicaServer:
                 return  # the peer went, or sent something that is not a frame: its next send reconnects
             finally:
                 maps.close()
+                self._tids.discard(tid)
 
     def _take(self, conn: socket.socket, header: dict, maps: FileMaps) -> None:
         step, rank, generation = int(header["step"]), int(header["rank"]), int(header["generation"])

@@ -21,12 +21,28 @@ on SCHED_IDLE, 1.03x on the normal policy). A CPU rank's snapshots are
 therefore copied by its node agent (`storage.copy_out`), whose thread can be
 idle. Where the policy cannot be set (not Linux, or a sandbox that forbids
 it) nothing changes.
+
+Idle work must not starve while a rank waits on it. `SCHED_IDLE` runs only
+on a core nothing else wants; on a node whose cores another process keeps
+busy it barely runs at all, and a rank that must wait for its snapshot's copy
+or replica before its next optimizer step waited for seconds (two busy loops
+on the 2 cores: the memory tier's step cost went from 1.04x to 7x on
+`dp_shard=4`). So idle work runs on a `Background` thread, which a waiting
+rank has lifted to `SCHED_BATCH` (`Background.hurry`) for a while (`Lift`).
+Linux lets a thread leave `SCHED_IDLE` only with `CAP_SYS_NICE` or an
+`RLIMIT_NICE` that allows nice 0 (`idle_is_reversible`); without either the
+work stays on `SCHED_BATCH` from the start: never starved, at some cost on
+an idle node.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def _set_policy(tid: int, policy: int) -> bool:
@@ -45,6 +61,87 @@ def batch_this_process() -> None:
         _set_policy(int(tid), os.SCHED_BATCH)
 
 
+@functools.cache
+def idle_is_reversible() -> bool:
+    """Whether a thread of this process may go from SCHED_IDLE back to SCHED_BATCH (tried on a thread of its own)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    result = []
+
+    def attempt() -> None:
+        result.append(_set_policy(0, os.SCHED_IDLE) and _set_policy(0, os.SCHED_BATCH))
+
+    probe = threading.Thread(target=attempt, name="sched-probe")
+    probe.start()
+    probe.join()
+    return result[0]
+
+
+def lift(tid: int) -> bool:
+    """Put thread `tid` of this process on SCHED_BATCH (from SCHED_IDLE: `idle_is_reversible`)."""
+    return hasattr(os, "SCHED_BATCH") and _set_policy(tid, os.SCHED_BATCH)
+
+
+LIFT_MIN_S, LIFT_MAX_S = 1.0, 60.0
+
+
+class Lift:
+    """How long idle work stays lifted after a rank had to wait on it.
+
+    A lift comes late (the agent's thread that takes the rank's request may
+    first wait for the GIL, held by the idle thread it is to lift, which
+    barely runs), and lifted work costs the ranks more on an idle node
+    (`interleaved_1f1b`: 1.09x lifted all along against 1.03-1.05x). So a
+    lift lasts `LIFT_MIN_S` (a wait at the start of a run, on an idle node),
+    twice as long each time a wait comes back within a lift's length of the
+    last one's end (lasting contention: one late snapshot a minute, not one
+    a step), up to `LIFT_MAX_S`.
+    """
+
+    def __init__(self) -> None:
+        self.until = 0.0  # time.monotonic()
+        self.span = LIFT_MIN_S
+
+    def renew(self) -> None:
+        now = time.monotonic()
+        self.span = min(2 * self.span, LIFT_MAX_S) if now < self.until + self.span else LIFT_MIN_S
+        self.until = now + self.span
+
+    def active(self) -> bool:
+        return time.monotonic() < self.until
+
+
+class Background:
+    """One thread for work that training must not feel and may have to wait for (see the module's docstring).
+
+    Its tasks run on SCHED_IDLE (where `idle_is_reversible`); `hurry` lifts
+    the thread to SCHED_BATCH for a while (`Lift`).
+    """
+
+    def __init__(self, name: str):
+        self._tid: int | None = None
+        self._lift = Lift()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._started)
+
+    def _started(self) -> None:
+        self._tid = threading.get_native_id()
+
+    def _run(self, fn, args):
+        if not self._lift.active():
+            idle_this_thread()
+        return fn(*args)
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(self._run, fn, args)
+
+    def hurry(self) -> None:
+        if self._tid is not None and idle_is_reversible() and lift(self._tid):
+            self._lift.renew()
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
+
+
 def idle_this_thread() -> None:
     """Put the calling thread on SCHED_IDLE: it runs only on a core nothing else wants.
 
@@ -53,9 +150,10 @@ def idle_this_thread() -> None:
     `hsdp 2x2` went from 1.23x to 1.01x, on `pp=2 gpipe` from 1.24x to 1.03x;
     and for its copies of the snapshots out of its CPU ranks' memory (in-run,
     `dp_shard=4` 1.02x against 1.06x written by the rank's own thread). Never
-    for a thread of a rank process (see above).
+    for a thread of a rank process (see above). Only where the thread can be
+    lifted back (`idle_is_reversible`), for a rank that waits on it.
     """
-    if hasattr(os, "SCHED_IDLE"):
+    if idle_is_reversible():
         _set_policy(0, os.SCHED_IDLE)
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +30,7 @@ from elastic.config import JobConfig
 from elastic.data import DataInfo, GlobalSampler, batch_digest, describe, open_datasets
 from elastic.faults import Fault
 from elastic.layout import Layout
-from elastic.memory import NodeMemory
+from elastic.memory import NodeMemory, SnapshotFailed
 from elastic.messages import Copied, CopyOut
 from storage.state import SnapshotPool
 from storage.fs import FileMaps
@@ -125,9 +125,12 @@ class Control:
     stop_at: int | None = None
     replicated: Acks = field(default_factory=Acks)
     pull: Callable[[dict[str, list[tuple[int, int]]]], tuple[list[str], int]] | None = None
-    copy_out: Callable[[CopyOut], Callable[[], Copied]] | None = None
-    """Hand a memory snapshot to the agent to copy out of this process (`storage.copy_out`); returns the wait for its
+    copy_out: Callable[[CopyOut], "Future[Copied]"] | None = None
+    """Hand a memory snapshot to the agent to copy out of this process (`storage.copy_out`); returns the future of its
     answer. None: no agent, the rank writes its snapshots itself."""
+    hurry: Callable[[int], None] | None = None
+    """This rank is about to wait for its memory snapshot of a step (the copy or the replica): have the agent lift
+    the idle work it waits on (`elastic.sched.Background`)."""
 
 
 @dataclass
@@ -187,7 +190,7 @@ class Trainer:
         self._memory_maps = FileMaps()  # the maps of this rank's two memory files, overwritten in turn (storage.fs.FileMaps)
         self._memory_records: deque[dict] = deque(maxlen=MEMORY_RECORDS)  # this rank's newest step records, for its snapshots
         self._memory_layout: dict = {}  # storage.plan_writes' layout cache for the memory snapshots (this generation's layout)
-        self._memory_pending = None  # (step, wait) of the memory snapshot in flight: wait() returns once it is complete
+        self._memory_pending = None  # (step, Future, what it reads) of the memory snapshot in flight, done once it is complete
         # A CPU rank's snapshots are copied out of its memory by its agent (storage.copy_out), off the rank's threads.
         self._copies_out = self.memory is not None and self.control.copy_out is not None and spec.device == "cpu"
         self._heads_sent = None  # the rows template whose heads the agent has (CopyOut.heads)
@@ -265,7 +268,7 @@ class Trainer:
             self.writer.close()
             if self._memory_pending is not None:  # a copy out of this process must end before its tensors go
                 with contextlib.suppress(Exception):
-                    self._memory_pending[1]()
+                    self._memory_pending[1].result()
             if self._memory_pool is not None:
                 self._memory_pool.shutdown(wait=True)  # a memory snapshot in flight ends in this generation's files
             self._memory_maps.close()
@@ -420,15 +423,15 @@ class Trainer:
         tensors = storage.state_tensors(self.pm.model_parts, self.optimizer)
         self._die_if_due(self.memory.uri, step, tensors)
         if self._copies_out:
-            self._memory_pending = (step, self._copy_out(step, tensors))
+            self._memory_pending = (step, *self._copy_out(step, tensors))
             return
         ready = storage.compute_done(tensors)  # here: after the optimizer step's kernels, before the next step's
         future = self._memory_pool.submit(self._write_memory, step, tensors, ready, list(self._memory_records), self._memory_reuse)
-        self._memory_pending = (step, future.result)
+        self._memory_pending = (step, future, None)
 
-    def _copy_out(self, step: int, tensors: dict) -> Callable[[], None]:
-        """Have the agent copy this snapshot out of this process's memory; returns the wait for it, which raises if
-        the copy failed (and, where the agent may not read this process, has the rank write its snapshots itself)."""
+    def _copy_out(self, step: int, tensors: dict) -> tuple[Future, tuple]:
+        """Have the agent copy this snapshot out of this process's memory: the future of its answer (`Copied`), and
+        what it reads, to hold until it is answered (nothing the copy reads may be freed before)."""
         plan = storage.plan_copy(tensors, self.rank, self.spec.generation, self._memory_layout)
         heads = None
         if plan is not None and plan.template is not self._heads_sent:
@@ -437,18 +440,7 @@ class Trainer:
             self.spec.generation, step, self.rank, plan.size if plan else 0, plan.regions if plan else [], heads,
             list(self._memory_records), self._memory_reuse, time.time(),
         ))
-
-        held = [tensors, plan]  # until the copy is done: nothing it reads may be freed before
-
-        def wait() -> None:
-            copied = answer()
-            held.clear()
-            if copied.error is not None:
-                if copied.refused:
-                    self._copies_out = False
-                raise RuntimeError(copied.error + ("; this rank writes its memory snapshots itself from now on" if copied.refused else ""))
-
-        return wait
+        return answer, (tensors, plan)
 
     def _write_memory(self, step: int, tensors: dict, ready: "torch.cuda.Event | None", records: list[dict], reuse: bool) -> None:
         """On the memory writer's thread: drop the older files, write the pieces, mark them complete, tell the agent
@@ -466,6 +458,11 @@ class Trainer:
         self.progress.record("mem_saved", step=step, rank=self.rank, bytes=rows[0]["file_bytes"] if rows else 0,
                              has_file=bool(rows), save_s=time.time() - t0)
 
+    def _hurry(self, step: int) -> None:
+        """About to wait for the snapshot of `step`: have the agent lift the idle work this rank waits on."""
+        if self.control.hurry is not None:
+            self.control.hurry(step)
+
     def _memory_settled(self) -> None:
         """Wait for the memory snapshot in flight: written and complete, and replicated (up to its timeout) when it has a replica.
 
@@ -475,15 +472,23 @@ class Trainer:
         """
         if self._memory_pending is None:
             return
-        (step, wait), self._memory_pending = self._memory_pending, None
+        (step, pending, held), self._memory_pending = self._memory_pending, None
         t0 = time.time()
         try:
-            wait()
+            if held is not None and not pending.done():  # the agent's copy (held: what it reads)
+                self._hurry(step)
+            copied = pending.result()  # None: written by this rank
+            if copied is not None and copied.error is not None:
+                if copied.refused:
+                    self._copies_out = False
+                raise SnapshotFailed(copied.error + ("; this rank writes its memory snapshots itself from now on" if copied.refused else ""))
         except Exception as exc:  # noqa: BLE001 - the memory tier misses a step; training goes on
             self.progress.record("mem_failed", step=step, error=self.memory.describe_failure(exc))
             return
         # The agent sends its node's files one at a time, in order: once this one's replica is in, no send of an
         # older file is under way.
+        if self.spec.memory_replicated and not self.control.replicated.wait(step, 0):
+            self._hurry(step)  # again: the replica starts once the copy is done, behind its node's other ranks' files
         self._memory_reuse = not self.spec.memory_replicated or self.control.replicated.wait(step, self.cfg.checkpoint.memory_replica_timeout_s)
         if not self._memory_reuse:
             self.progress.record("mem_failed", step=step, error=f"no replica within checkpoint.memory_replica_timeout_s="

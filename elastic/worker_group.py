@@ -203,7 +203,7 @@ class RayWorkerGroup:
         self._host_call = self._adopting = None
         if len(self.replica_ring) == 1 and self.cfg.checkpoint.memory_replicas:
             self._ring_news.append({"generation": self.generation, "ring": list(self.replica_ring), "reason": (
-                f"the ranks are all on node {self.replica_ring[0]} and no other node of the job is up: its memory snapshots "
+                f"the ranks are all on node {self.replica_ring[0][:8]} and no other node of the job is up: its memory snapshots "
                 "have no replica until one is (a loss of that node restores from the durable tier)")})
         for node_id in [n for n in self.agents if n not in placeable and n not in holders and n != host]:
             self._retire(self.agents.pop(node_id), node_up=node_id in alive)
@@ -360,7 +360,7 @@ class RayWorkerGroup:
                 ray.get(ref, timeout=0)
             except RayError as exc:  # gone, or not answering (GetTimeoutError)
                 self._set_peer(node, None)
-                self._set_ring([node], f"node {hosts[0]} holding the replicas did not answer: {_one_line(exc)}")
+                self._set_ring([node], f"node {hosts[0][:8]} holding the replicas did not answer: {_one_line(exc)}")
                 return
         self._host_call = (self.agents[hosts[0]].poll.remote(self.generation, 0.0, self.memory_floor), now)
 
@@ -377,7 +377,7 @@ class RayWorkerGroup:
             except RayError:
                 return  # the host went before it answered: look again
             if host in self.agents:
-                self._set_ring([node, host], f"node {host} holds the replicas from the next snapshot on")
+                self._set_ring([node, host], f"node {host[:8]} holds the replicas from the next snapshot on")
             return
         if now < self._host_sought + LONG_POLL_S or all(n in by_node for n in self.agents):
             return

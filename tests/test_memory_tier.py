@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from elastic.layout import Layout
 from elastic.report import memory_tier
 from elastic.memory import NodeMemory, free_lock, rows_body, sweep_abandoned
 from elastic.replica_link import SECRET_BYTES, ReplicaClient, ReplicaServer
+import elastic.sched
+from elastic.sched import idle_is_reversible
 from elastic.train import Progress, RankSpec, Trainer
 import storage
 from storage.format import data_file
@@ -193,6 +196,33 @@ def test_a_replica_the_peer_cannot_store_is_refused_with_the_reason_and_the_link
         there.data_path(1, 0, 1).rmdir()
         client.send(here.file_path(1, rows), 2, 0, 1, here.rows_body(1, 0, 1))
         assert there.verify(2, 0, rows) is None
+
+
+@pytest.mark.skipif(not idle_is_reversible(), reason="this process may not lift a thread off SCHED_IDLE")
+def test_the_receiving_end_of_the_link_is_idle_until_a_waiting_rank_has_it_lifted(tmp_path, monkeypatch):
+    # The peer's rank waits for its replica (elastic.sched): the receiving thread goes to SCHED_BATCH at once, stays
+    # there for the lift's length, and is idle again for the files after it.
+    monkeypatch.setattr(elastic.sched, "LIFT_MIN_S", 0.5)
+    with _link(tmp_path) as (here, there, client, server):
+        before = {t.ident for t in threading.enumerate() if t.name == "replica-in"}
+
+        def send(step):
+            rows = _write(here, step, rank=0, value=float(step))
+            here.finish(step, 0, 1, rows, [])
+            client.send(here.file_path(step, rows), step, 0, 1, here.rows_body(step, 0, 1))
+
+        send(1)
+        (tid,) = [t.native_id for t in threading.enumerate() if t.name == "replica-in" and t.ident not in before]
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        server.hurry()
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        send(2)
+        assert os.sched_getscheduler(tid) == os.SCHED_BATCH
+        time.sleep(0.6)
+        send(3)  # it was waiting for this one when the lift ended; it is idle again before it reads the next
+        send(4)
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        assert there.verify(4, 0, there.inventory()[(1, 4)][0]) is None
 
 
 def test_destroy_removes_the_jobs_files_and_an_emptied_node_directory_but_not_another_jobs(tmp_path):
@@ -838,10 +868,10 @@ def _train_with_a_copier(root: str, refuse_at: int | None) -> dict:
                              "training.micro_batch=4", "scaling.num_workers=1", "checkpoint.every_steps=100"])
     node = NodeMemory(root / "memory" / "node" / "job")
     spec = RankSpec(config=cfg.model_dump(mode="json"), layout=Layout().as_dict(), rank=0, generation=1, memory_dir=node.uri)
-    progress, maps, writers, heads, asked = Progress(), FileMaps(), set(), {}, []
+    progress, maps, writers, heads, asked, hurried = Progress(), FileMaps(), set(), {}, [], []
 
     def copy_out(message):
-        answer = []
+        answer = Future()
         asked.append(message.step)
         heads["now"] = message.heads or heads["now"]
         writers.update(t.name for t in threading.enumerate() if t.name.startswith("memory-writer"))
@@ -850,20 +880,21 @@ def _train_with_a_copier(root: str, refuse_at: int | None) -> dict:
             try:
                 if message.step == refuse_at:
                     raise CopyRefused(1, "cannot read the memory of process 1: Operation not permitted")
+                if message.step == 3:
+                    time.sleep(1.0)  # a starved copier: the rank must wait for it, and says so (Control.hurry)
                 node.copy_in(os.getpid(), message, heads["now"], maps)
                 progress.record("mem_saved", step=message.step, rank=0, bytes=message.size, has_file=True, save_s=0.0)
-                answer.append(Copied(1, message.step))
+                answer.set_result(Copied(1, message.step))
             except CopyRefused as exc:
-                answer.append(Copied(1, message.step, str(exc), refused=True))
+                answer.set_result(Copied(1, message.step, node.describe_failure(exc), refused=True))
 
-        thread = threading.Thread(target=copy, name="copier")
-        thread.start()
-        return lambda: (thread.join(), answer[0])[1]
+        threading.Thread(target=copy, name="copier").start()
+        return answer
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        trainer = Trainer(spec, progress, control=Control(copy_out=copy_out))
+        trainer = Trainer(spec, progress, control=Control(copy_out=copy_out, hurry=hurried.append))
         finished = trainer.run()
         state = hashlib.sha256()
         for key, value in sorted(storage.state_tensors(trainer.pm.model_parts, trainer.optimizer).items()):
@@ -874,7 +905,7 @@ def _train_with_a_copier(root: str, refuse_at: int | None) -> dict:
     records = progress.drain()
     rows = node.inventory().get((1, 5), {}).get(0)
     return {
-        "finished": finished, "asked": asked, "writers": sorted(writers), "state": state.hexdigest(),
+        "finished": finished, "asked": asked, "hurried": hurried, "writers": sorted(writers), "state": state.hexdigest(),
         "saved": [r["step"] for r in records if r["kind"] == "mem_saved"],
         "failed": [[r["step"], r["error"]] for r in records if r["kind"] == "mem_failed"],
         "held": [list(k) for k in sorted(node.inventory())], "verify": node.verify(5, 0, rows) if rows else "no rows",
@@ -902,8 +933,10 @@ def test_a_ranks_snapshots_are_copied_out_by_its_agent_and_written_by_the_rank_w
         if refuse_at:
             assert run["saved"] == [1, 3, 4, 5] and run["asked"] == [1, 2]  # the rank's own writer wrote 3, 4 and 5
             assert [f[0] for f in run["failed"]] == [2] and "writes its memory snapshots itself" in run["failed"][0][1]
+            assert run["failed"][0][1].startswith("CopyRefused: ")  # the agent's description, not wrapped again
         else:
             assert run["saved"] == [1, 2, 3, 4, 5] and run["asked"] == [1, 2, 3, 4, 5] and run["failed"] == []
+            assert 3 in run["hurried"]  # it asked for the slow copy to be lifted before it waited for it
     # Step 5 copied out by the agent, and written by the rank: the same bytes; and the same final state.
     assert Path(runs[None]["file"]).read_bytes() == Path(runs[2]["file"]).read_bytes()
     assert runs[None]["state"] == runs[2]["state"]
