@@ -164,6 +164,7 @@ class Controller:
     # -- SCHEDULING ------------------------------------------------------------------
     def _schedule(self) -> None:
         now = self.clock()
+        self._check_fault_signals(now)  # a fault that fired as the last generation was torn down is not armed again
         available = self.group.capacity()
         decision = self.scaling.decide(available, self.layout)
         if decision.layout is None:

@@ -404,6 +404,38 @@ def test_faults_that_kill_two_ranks_at_once_are_one_failure_that_names_both(tmp_
     assert sorted(failure["fault_ids"]) == sorted(by_rank.values()) and failure["fault_ids"][0] == failure["fault_id"]
 
 
+class TornDownAsItFires(FaultingGroup):
+    """The first teardown finds `firing`'s rank firing it: its signal lands in the store as the generation ends."""
+
+    def __init__(self, cfg, capacity: int, store: SignalStore, firing: Fault):
+        super().__init__(cfg, capacity, store)
+        self.firing, self.armed = firing, []
+
+    def start(self, layout, specs, **kwargs) -> None:
+        super().start(layout, specs, **kwargs)
+        self.armed.append([f["id"] for f in specs[0]["faults"]])
+
+    def teardown(self, kill_ranks=(), grace_s: float = 1.0) -> int:
+        if self.firing is not None:
+            _fault_signal(self.store, self.firing, self.step)
+            self.firing = None
+        return super().teardown(kill_ranks, grace_s)
+
+
+def test_a_fault_that_fires_as_its_generation_is_torn_down_is_not_armed_again(tmp_path):
+    # The chaos run's seed 16: two faults due at the same step, one rank's death tore the generation down while the
+    # other rank was firing its own; the next generation got that fault again and it fired twice.
+    scripted, _, clock = _setup(tmp_path, **{"training.steps": 16, "checkpoint.every_steps": 8})
+    scripted.checkpoints.close()  # only its config, event log and clock are used
+    store = SignalStore()
+    faults = parse_faults(["kill:rank=1,step=10", "kill:rank=2,step=12"], steps=16, max_world=4)
+    group = TornDownAsItFires(scripted.cfg, 4, store, firing=faults[1])
+    ctrl = Controller(scripted.cfg, group, scripted.events, faults=faults, fault_store=store, clock=clock)
+    assert _run(ctrl)[-1] is State.FINISHED
+    assert group.armed == [[faults[0].id, faults[1].id], []]
+    assert sorted(e["fault_id"] for e in ctrl.events.of("fault_injected")) == sorted(f.id for f in faults)
+
+
 def test_a_fault_injected_at_step_20_is_reported_at_step_20(tmp_path):
     """The README's convention: a fault at step 20 fires once 20 steps are done, and every record of it says 20."""
     scripted, _, clock = _setup(tmp_path, **{"training.steps": 24, "checkpoint.every_steps": 8})
