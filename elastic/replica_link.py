@@ -40,7 +40,7 @@ import threading
 from pathlib import Path
 
 from elastic.memory import NodeMemory
-from elastic.sched import Lift, idle_is_reversible, idle_this_thread, lift
+from elastic.sched import Lift
 from storage.fs import FileMaps
 
 SECRET_BYTES = 32
@@ -106,10 +106,7 @@ class ReplicaServer:
 
     def hurry(self) -> None:
         """A rank waits for a replica from this node's peer: lift the receiving threads for a while (`elastic.sched.Lift`)."""
-        if idle_is_reversible():
-            self._lift.renew()
-            for tid in list(self._tids):
-                lift(tid)
+        self._lift.hurry(list(self._tids))
 
     def _serve(self, conn: socket.socket) -> None:
         tid = threading.get_native_id()
@@ -120,8 +117,7 @@ class ReplicaServer:
                 if not hmac.compare_digest(_recv_exact(conn, SECRET_BYTES), self._secret):
                     return
                 while True:
-                    if not self._lift.active():  # a lift ends (`hurry`)
-                        idle_this_thread()
+                    self._lift.settle()  # as the sender's; a lift (`hurry`) ends
                     header = _recv_msg(conn)
                     try:
                         self._take(conn, header, maps)

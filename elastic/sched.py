@@ -110,6 +110,18 @@ class Lift:
     def active(self) -> bool:
         return time.monotonic() < self.until
 
+    def hurry(self, tids: list[int]) -> None:
+        """A rank waits on the work of threads `tids` (of this process): lift them, and renew the lift."""
+        if idle_is_reversible():
+            self.renew()
+            for tid in tids:
+                lift(tid)
+
+    def settle(self) -> None:
+        """On a thread about to take on more work: back on SCHED_IDLE, unless lifted."""
+        if not self.active():
+            idle_this_thread()
+
 
 class Background:
     """One thread for work that training must not feel and may have to wait for (see the module's docstring).
@@ -127,16 +139,15 @@ class Background:
         self._tid = threading.get_native_id()
 
     def _run(self, fn, args):
-        if not self._lift.active():
-            idle_this_thread()
+        self._lift.settle()
         return fn(*args)
 
     def submit(self, fn, *args) -> Future:
         return self._pool.submit(self._run, fn, args)
 
     def hurry(self) -> None:
-        if self._tid is not None and idle_is_reversible() and lift(self._tid):
-            self._lift.renew()
+        if self._tid is not None:
+            self._lift.hurry([self._tid])
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)
