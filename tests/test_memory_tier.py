@@ -204,7 +204,8 @@ def test_the_receiving_end_of_the_link_is_idle_until_a_waiting_rank_has_it_lifte
     # there for the lift's length, and is idle again for the files after it.
     monkeypatch.setattr(elastic.sched, "LIFT_MIN_S", 0.5)
     with _link(tmp_path) as (here, there, client, server):
-        before = {t.ident for t in threading.enumerate() if t.name == "replica-in"}
+        # Threads are told apart as objects: a thread id of an earlier test's ending thread may be reused by this one.
+        before = [t for t in threading.enumerate() if t.name == "replica-in"]
 
         def send(step):
             rows = _write(here, step, rank=0, value=float(step))
@@ -212,7 +213,7 @@ def test_the_receiving_end_of_the_link_is_idle_until_a_waiting_rank_has_it_lifte
             client.send(here.file_path(step, rows), step, 0, 1, here.rows_body(step, 0, 1))
 
         send(1)
-        (tid,) = [t.native_id for t in threading.enumerate() if t.name == "replica-in" and t.ident not in before]
+        (tid,) = [t.native_id for t in threading.enumerate() if t.name == "replica-in" and t not in before]
         assert os.sched_getscheduler(tid) == os.SCHED_IDLE
         server.hurry()
         assert os.sched_getscheduler(tid) == os.SCHED_BATCH

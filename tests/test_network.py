@@ -164,11 +164,11 @@ def test_a_job_closes_what_it_opens(tmp_path):
         return sum(comm(t) == "pt_tcpstore" for t in os.listdir("/proc/self/task"))
 
     sockets_before = {(ip, port) for _, ip, port in listening({os.getpid()})}
-    threads_before = {t.ident for t in threading.enumerate()}
+    threads_before = threading.enumerate()  # objects, not ids: an ended thread's id may be reused
     store_threads_before = store_threads()  # other tests' stores may still await the garbage collector
     report = run_job(cfg, quiet=True)
     assert report["state"] == "FINISHED"
     left = {(ip, port) for _, ip, port in listening({os.getpid()})} - sockets_before
     assert not left, f"still listening after the job: {left}"
-    assert not [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    assert not [t.name for t in threading.enumerate() if t not in threads_before]
     assert store_threads() == store_threads_before
