@@ -36,7 +36,7 @@ from storage.state import SnapshotPool
 from storage.fs import FileMaps
 from elastic.recipe import build_model, build_optimizer, build_parallel_model, initialize, model_vocab_size
 from elastic.schedule import lr_at
-from strategies import clip_grad_norm
+from strategies import clip_grad_norm_and_count
 
 PHASES = ("start", "load", "data", "forward_backward", "optimizer", "eval", "save", "done")
 STEP_REPORT_S = 0.25
@@ -123,6 +123,8 @@ class Control:
 
     stop: threading.Event = field(default_factory=threading.Event)
     stop_at: int | None = None
+    """Stop after this step, or (told later) after the step in progress; every rank stops after the same step, the
+    first that any rank of the job was told of in time (they agree on it in each step's gradient-norm all-reduce)."""
     replicated: Acks = field(default_factory=Acks)
     pull: Callable[[dict[str, list[tuple[int, int]]]], tuple[list[str], int]] | None = None
     copy_out: Callable[[CopyOut], "Future[Copied]"] | None = None
@@ -298,7 +300,11 @@ class Trainer:
             # Before the all-reduce every rank joins: no rank starts its next memory snapshot (dropping its
             # older one) until every rank's last one is whole (elastic.memory).
             self._memory_settled()
-            grad_norm = clip_grad_norm(self.pm, t.grad_clip)
+            # A planned stop (`Control.stop_at`) reaches each rank at its own moment, perhaps a step apart; the ranks
+            # agree on it in the norm's all-reduce, so all stop after the same step (none waits in the next one's
+            # collectives for a rank that stopped).
+            wants_stop = self.control.stop_at is not None and step + 1 >= self.control.stop_at
+            grad_norm, stop_votes = clip_grad_norm_and_count(self.pm, t.grad_clip, wants_stop)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg)
             self._snapshot_taken()  # the save in flight copies the state while forward and backward run
@@ -316,7 +322,7 @@ class Trainer:
             done = step + 1
             if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
                 self.evaluate(done, reporter, dp_rank)
-            stop_here = self.control.stop_at is not None and done >= self.control.stop_at
+            stop_here = stop_votes.item() > 0
             # At a planned stop too: the next generation can restore that step from memory should its durable save
             # break before it has a snapshot of its own (MemoryTier.begin_generation).
             if self.memory is not None and done < t.steps and (done % cfg.checkpoint.memory_every_steps == 0 or stop_here):

@@ -27,6 +27,7 @@ _WHERE = {
     "initial_state": "init",
     "ParallelModel": "compose",
     "clip_grad_norm": "compose",
+    "clip_grad_norm_and_count": "compose",
     "load_full_state": "compose",
     "parallelize": "compose",
     "balance_stages": "pipeline",

@@ -319,16 +319,28 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
     the whole mesh then gives the sum over distinct pieces of every stage. This
     works whatever mix of meshes and placements the parameters have.
     """
+    return clip_grad_norm_and_count(pm, max_norm, False)[0]
+
+
+def clip_grad_norm_and_count(pm: ParallelModel, max_norm: float, flag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clip_grad_norm`, and how many ranks passed `flag` True, counted in the same all-reduce (a 0-d tensor).
+
+    Every rank of the mesh joins that all-reduce every step, so each gets the
+    same count: a training loop's way to agree on a decision at no collective
+    of its own (`elastic.train`: the step a planned resize stops after, which
+    each rank hears of at its own moment).
+    """
     params = [p for p in pm.parameters() if p.grad is not None]
     stage_ranks = pm.mesh.size() // pm.mesh["pp"].size()
     device = params[0].grad.device if params else _device(pm.mesh)
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.tensor([0.0, float(flag)], dtype=torch.float64, device=device)  # [squares, flags]
+    total = sums[0]
     for p in params:
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         total += g.detach().double().pow(2).sum() / _replication(p.grad, stage_ranks)
     if dist.is_initialized():
         group = None if pm.mesh.size() == dist.get_world_size() else pm.mesh._flatten().get_group()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(sums, group=group)
     norm = total.sqrt().float()
     if max_norm > 0 and params:
         # The same coefficient as torch.nn.utils.clip_grad_norm_, applied to the local pieces
@@ -336,4 +348,4 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return norm
+    return norm, sums[1]

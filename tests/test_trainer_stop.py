@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 import storage
-from distributed import free_port
+from distributed import free_port, run_distributed
 from elastic.config import load_config
 from elastic.layout import Layout
 from elastic.train import Progress, RankSpec, Trainer
@@ -61,3 +61,26 @@ def test_run_waits_for_the_background_write_in_flight_when_told_to_stop(tmp_path
         (rel,) = {row["file"] for row in record["rows"]}
         size = os.path.getsize(os.path.join(uri, step_dir(record["step"]), rel))
         assert size == record["rows"][0]["file_bytes"] > 0
+
+
+def _told_apart(rank: int, world: int, uri: str) -> dict:
+    """A real Trainer on one rank of a gloo world of 2; only rank 0 is told to stop after step 3 (rank 1's message
+    is late, as a planned resize's can be, reaching ranks at their own moments)."""
+    cfg = load_config(None, [f"checkpoint.uri={uri}", "checkpoint.every_steps=100", "training.steps=50",
+                             "training.global_batch=4", "training.micro_batch=2", f"scaling.num_workers={world}"])
+    spec = RankSpec(config=cfg.model_dump(mode="json"), layout=Layout(dp_shard=world).as_dict(), rank=rank, generation=1)
+    progress = Progress()
+    trainer = Trainer(spec, progress)
+    if rank == 0:
+        trainer.control.stop_at = 3
+    finished = trainer.run()
+    records = progress.drain()
+    return {"finished": finished, "paused": [r["step"] for r in records if r["kind"] == "paused"],
+            "saved": [r["step"] for r in records if r["kind"] == "saved"]}
+
+
+def test_ranks_told_to_stop_at_different_moments_stop_after_the_same_step(tmp_path):
+    # Once, a rank that heard of a resize a step later than its peer went on into the next step and waited in its
+    # collectives for 2 minutes (the process-group timeout) for a peer that had stopped and saved.
+    results = run_distributed(_told_apart, 2, str(tmp_path / "ckpt"))
+    assert results == [{"finished": False, "paused": [3], "saved": [3]}] * 2
