@@ -166,7 +166,8 @@ def run_manager(cfg: JobConfig) -> tuple[list[list[dict]], dict]:
     finally:
         elastic.job.Controller = original
     if report["state"] != "FINISHED" or report["generations"] != 1 or report["failures_detected"]:
-        raise RuntimeError(f"manager run did not finish cleanly in one generation: {report['state']} {report['reason']}")
+        raise RuntimeError(f"manager run did not finish cleanly in one generation: {report['state']} {report['reason']}, "
+                           f"{report['generations']} generations, failures {report['failures']}")
     captured = _RecordingController.captured
     return [captured.get(r, []) for r in range(len(captured))], report
 
