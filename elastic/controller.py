@@ -465,6 +465,11 @@ class Controller:
                 if fault.back_s > 0:
                     self.node_returns.append(fired_at + fault.back_s)
             self.fired[fault.id] = fired_at
+            if fault.kind != "node" and self.state in (State.RECOVERING, State.SCHEDULING) and self.failures \
+                    and self.failures[-1]["recover_s"] is None:
+                # Fired by a rank of the generation a failure is ending, heard of after that failure was recorded (two
+                # ranks killed a moment apart): part of it, as if seen together (`_matching_faults`).
+                self.failures[-1]["fault_ids"].append(fault.id)
             self.events.emit(
                 "fault_injected", fault_id=fault.id, kind=fault.kind, rank=fault.rank, step=fault.step, at_step=at_step,
                 node=node, t_fault=fired_at, where=fault.where,
