@@ -500,8 +500,11 @@ class NodeMemory:
         if rows:
             self.store.remove(f"{step_dir(step)}/{rows}")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
             os.rename(source, target)
-        except FileNotFoundError:
-            return False
+        except FileNotFoundError:  # the source is gone, or the target's directory is not there yet
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(source, target)
+            except FileNotFoundError:
+                return False
         return True
