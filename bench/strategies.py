@@ -138,7 +138,6 @@ def job_config(name: str, world: int, layout_sets: list[str], steps: int, workdi
         "checkpoint.async_save=false",
         f"checkpoint.memory={'true' if memory else 'false'}",
         f"checkpoint.memory_every_steps={memory_every}",
-        f"checkpoint.memory_dir={workdir / 'node-memory'}",
     ]
     return load_config(BASE_CONFIG, sets)
 
