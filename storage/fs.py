@@ -435,7 +435,7 @@ def _is_link(name: str, dir_fd: int) -> bool:
 def _open_subdir(dir_fd: int, name: str, create: bool) -> int:
     """A descriptor of the directory `name` in `dir_fd`, not through a link; made first where it is missing and
     `create`. Opened before any `mkdir`: the memory tier opens the same few directories several times a step, where
-    an `mkdir` that finds the directory there still takes its parent's lock (tens of microseconds on a busy tmpfs)."""
+    an `mkdir` that finds the directory there still takes its parent's lock (80-110 us each in a busy job, bench/README.md)."""
     try:
         return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
     except FileNotFoundError:
