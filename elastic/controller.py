@@ -212,7 +212,7 @@ class Controller:
             self.group.start(self.layout, specs, with_spares=self.generation == 1, memory_restore=memory_restore)
         except StartError as exc:
             self.group.shutdown()
-            self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc)), now)
+            self._on_failure(Failure("start_failed", None, None, None, self.resume_step or 0, str(exc), exc.cause), now)
             return
         if memory_restore is not None:
             staged = self.group.memory_staged.values()

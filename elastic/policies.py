@@ -21,6 +21,9 @@ class Failure:
     culprit: int | None
     step: int
     detail: str = ""
+    cause: str = ""
+    """What failed, without where, where the same cause fails the same way each time: the errors a start's calls
+    raised (`elastic.worker_group.StartError.cause`); "" for anything that may not happen again."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,9 @@ class FailureDecision:
 
 
 class FailurePolicy:
-    """Retry up to `max_failures`; exclude a node that was the culprit `exclude_after` times."""
+    """Retry up to `max_failures`; exclude a node that was the culprit `exclude_after` times; give up at once on a
+    failure with the same cause as the one before it (a setting no node can use, a module no rank can import):
+    one retry covers what was passing, more would only repeat it."""
 
     def __init__(self, max_failures: int, exclude_after: int = 2):
         self.max_failures = max_failures
@@ -39,7 +44,10 @@ class FailurePolicy:
         self.history: list[Failure] = []
 
     def decide(self, failure: Failure) -> FailureDecision:
+        previous = self.history[-1] if self.history else None
         self.history.append(failure)
+        if failure.cause and previous is not None and previous.cause == failure.cause:
+            return FailureDecision(False, f"{failure.kind} twice in a row with the same error, which a retry would repeat: {failure.cause}")
         if len(self.history) > self.max_failures:
             return FailureDecision(False, f"{len(self.history)} failures exceed fault.max_failures={self.max_failures}")
         exclude = None

@@ -60,7 +60,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours Ray puts in its errors' tex
 
 
 class StartError(RuntimeError):
-    """Workers could not be started; the message carries the rank process's own error."""
+    """Workers could not be started; the message carries the rank process's own error.
+
+    `cause`: the errors the job's own code raised, without the nodes and
+    processes that raised them; "" where a call missed its deadline or an
+    agent or node died. A start that fails with the same cause twice in a row
+    would fail the same way every time (`elastic.policies.FailurePolicy`).
+    """
+
+    def __init__(self, message: str, cause: str = ""):
+        super().__init__(message)
+        self.cause = cause
 
 
 class RanksUnreachable(RuntimeError):
@@ -88,6 +98,24 @@ def _one_line(exc: BaseException) -> str:
         return f"{type(exc).__name__}: {lines[0]}"
     first = lines[0].split(" (pid=")[0]  # Ray's process and actor ids follow: the last line says more
     return f"{type(exc).__name__}: {first} ... {lines[-1]}"
+
+
+def _raised(why: str) -> str | None:
+    """The error a failed call's own code raised (the last line of `_gather`'s text for it), without the node, the
+    process or the call; None where the call raised nothing (it missed its deadline, its actor or node died) or
+    raised a timeout of its own (a rank process slow to start: a busy node, not a setting)."""
+    text = _ANSI.sub("", why)
+    if not (text.startswith("ray::") or "error raised in its creation task" in text):  # RayTaskError, a constructor's
+        return None
+    error = [line.strip() for line in text.splitlines() if line.strip()][-1].rsplit(" ... ", 1)[-1]
+    return None if error.startswith("TimeoutError") else error
+
+
+def _start_failure(what: str, failed: dict[str, str], timeout_s: float | None = None) -> StartError:
+    """A start's failed calls as one error: each distinct cause once (`_causes`), the deadline where one was missed."""
+    raised = [_raised(why) for why in failed.values()]
+    deadline = f" (fault.startup_timeout_s={timeout_s}s)" if timeout_s is not None and None in raised else ""
+    return StartError(f"{what}{deadline}: {_causes(failed)}", "" if None in raised else "; ".join(sorted(set(raised))))
 
 
 def _causes(failed: dict[str, str]) -> str:
@@ -220,14 +248,14 @@ class RayWorkerGroup:
         answers, failed = self._gather(calls, timeout + 10)
         self.memory_staged = {n.removeprefix("stage "): a for n, a in answers.items() if n.startswith("stage ")}
         if failed:
-            raise StartError(f"workers did not start (fault.startup_timeout_s={timeout}s): {_causes(failed)}")
+            raise _start_failure("workers did not start", failed, timeout)
         store_timeout = max(60.0, timeout)
         pids, failed = self._gather({
             n: agents[n].start.remote([(m.rank, specs[m.rank]) for m in ms], self.store_host, self.store_port, store_timeout)
             for n, ms in by_node.items()
         }, CALL_TIMEOUT_S)
         if failed:  # an agent that died between prepare and start (its node went), or a rank process that did
-            raise StartError(f"workers could not be given their ranks: {_causes(failed)}")
+            raise _start_failure("workers could not be given their ranks", failed)
         for node_pids in pids.values():
             for m in self.members:
                 m.pid = node_pids.get(m.rank, m.pid)  # for diagnostics and the recovery benchmark's start-up breakdown

@@ -296,16 +296,20 @@ def test_a_memory_directory_that_cannot_be_made_is_an_error_naming_the_setting(t
 
 
 def test_elastic_run_with_an_unusable_memory_directory_fails_and_says_why(tmp_path):
-    # As a user runs it: the agents cannot start, and the console names the setting and the directory.
+    # As a user runs it: the agents cannot start, and the console names the setting and the directory; the second
+    # start that fails alike ends the job (not fault.max_failures of them).
     (tmp_path / "file").write_text("")
     path = _job_yaml(tmp_path, "baddir", 3)
     path.write_text(path.read_text().replace(f"memory_dir: {tmp_path / 'mem'}", f"memory_dir: {tmp_path / 'file'}"))
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
-    result = subprocess.run([sys.executable, "-m", "elastic", "run", str(path), "--set", "fault.max_failures=0"],
+    result = subprocess.run([sys.executable, "-m", "elastic", "run", str(path), "--set", "fault.max_failures=5"],
                             cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
-    (line,) = [l for l in result.stdout.splitlines() if l.startswith("[failure] start_failed: workers did not start")]
-    assert f"checkpoint.memory_dir: cannot make a directory in {tmp_path / 'file' / 'elastic-memory'}: Not a directory" in line
+    why = f"checkpoint.memory_dir: cannot make a directory in {tmp_path / 'file' / 'elastic-memory'}: Not a directory"
+    starts = [l for l in result.stdout.splitlines() if l.startswith("[failure] start_failed: workers did not start: ")]
+    assert len(starts) == 2 and all(why in line for line in starts), result.stdout[-3000:]
+    (failed,) = [l for l in result.stdout.splitlines() if l.startswith("[failed]")]
+    assert "start_failed twice in a row with the same error" in failed and why in failed
 
 
 def _job_yaml(tmp_path, name: str, steps: int) -> Path:

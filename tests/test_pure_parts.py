@@ -80,6 +80,35 @@ def test_failure_policy_limits_and_excludes():
     assert not d.retry and "max_failures" in d.reason
 
 
+def test_a_start_that_fails_with_the_same_raised_error_twice_in_a_row_is_not_retried_again():
+    # A setting no node can use fails every start alike: one retry, then the job fails naming the error, instead of
+    # fault.max_failures starts that each print it again. The cause leaves out the nodes and processes (they differ
+    # from one start to the next) and is empty for what a retry may change: a missed deadline, a dead agent, a
+    # rank process slow to start.
+    from elastic.worker_group import _start_failure
+
+    unusable = ("ActorDiedError: The actor died because of an error raised in its creation task, ray::NodeAgent.__init__() ... "
+                "NotADirectoryError: [Errno 20] checkpoint.memory_dir: cannot make a directory in /x: Not a directory")
+    raised = "\x1b[36mray::NodeAgent.prepare()\x1b[39m (pid=12237, ip=127.0.0.1)\n  File \"agent.py\", line 7\nImportError: No module named 'mymodel'"
+    first = _start_failure("workers did not start", {"nodeA": unusable, "peer nodeA": unusable, "nodeB": unusable}, 120.0)
+    assert first.cause == "NotADirectoryError: [Errno 20] checkpoint.memory_dir: cannot make a directory in /x: Not a directory"
+    assert str(first).startswith("workers did not start: ") and str(first).count("checkpoint.memory_dir") == 1
+    assert _start_failure("workers did not start", {"nodeA": raised}, 120.0).cause == "ImportError: No module named 'mymodel'"
+    late = _start_failure("workers did not start", {"nodeA": unusable, "nodeB": "no answer within 130.0s"}, 120.0)
+    assert late.cause == "" and "(fault.startup_timeout_s=120.0s)" in str(late)
+    gone = _start_failure("workers could not be given their ranks", {"nodeA": "ActorDiedError: The actor died unexpectedly"})
+    slow = _start_failure("workers did not start", {"nodeA": "ray::NodeAgent.prepare() (pid=1)\nTimeoutError: a rank process did not start within 120.0s"})
+    assert gone.cause == slow.cause == ""
+
+    policy = FailurePolicy(max_failures=5)
+    start = Failure("start_failed", None, None, None, 0, str(first), first.cause)
+    assert policy.decide(start).retry
+    assert policy.decide(Failure("start_failed", None, None, None, 0, str(late), late.cause)).retry  # no cause: retried
+    assert policy.decide(start).retry  # not twice in a row
+    d = policy.decide(start)
+    assert not d.retry and d.reason == f"start_failed twice in a row with the same error, which a retry would repeat: {first.cause}"
+
+
 def test_a_generations_first_step_record_wakes_the_poll_at_once_later_ones_in_batches():
     from elastic.train import Progress
 
