@@ -35,8 +35,8 @@ class FailureDecision:
 
 class FailurePolicy:
     """Retry up to `max_failures`; exclude a node that was the culprit `exclude_after` times; give up at once on a
-    failure with the same cause as the one before it (a setting no node can use, a module no rank can import):
-    one retry covers what was passing, more would only repeat it."""
+    failure with the same cause as the one before it (a start that fails on a setting no node can use): one retry
+    covers what was passing, more would only repeat it."""
 
     def __init__(self, max_failures: int, exclude_after: int = 2):
         self.max_failures = max_failures
