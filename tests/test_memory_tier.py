@@ -707,7 +707,10 @@ def test_a_restore_moves_only_the_bytes_each_node_lacks_of_what_its_ranks_read(t
     moved, state = sum(e["pulled_bytes"] for e in after_kill), hit["memory_tier"]["state_bytes"]
     assert 0 < moved < state / 20, (moved, state)  # whole files would be the whole state (one file of three per node)
     assert sum(e["pulled_bytes"] for e in pulls if e["step"] == node["resume_step"]) > state / 20  # real shards, resharded
-    assert hit["losses"][:12] == ref["losses"][:12]  # what was pulled, and read in place, is the state bit for bit
+    # What was pulled, and read in place, is the state bit for bit: every step up to the node loss's restore point (the
+    # step the node loss came at is run again at 2 workers where its memory step had not committed yet).
+    kept = node["resume_step"]
+    assert kept >= 11 and hit["losses"][:kept] == ref["losses"][:kept]
     assert max(abs(a - b) / abs(b) for a, b in zip(hit["losses"], ref["losses"])) < 1e-5
     got, want = full_tensors(str(tmp_path / "hit" / "ckpt"), 16), full_tensors(str(tmp_path / "ref" / "ckpt"), 16)
     assert got.keys() == want.keys() and max(rel_diff(got[k], want[k]) for k in want) <= 1e-5
