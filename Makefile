@@ -40,11 +40,11 @@ bench-strategies: $(STAMP)
 	$(PY) bench/strategies.py --rounds 6 --steps 60
 
 # The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds, then
-# within single runs of 300 steps (a snapshot every other step), then 3 layouts so while 2 processes spin on the CPU
-# (~55 min): bench/results/memory_tier.json
+# within single runs of 300 steps (a snapshot every other step; 3 passes over the layouts, the median of each reported),
+# then 3 layouts so while 2 processes spin on the CPU (~2.5 h): bench/results/memory_tier.json
 bench-memory: $(STAMP)
 	$(PY) bench/memory_tier.py --rounds 2 --steps 50
-	$(PY) bench/memory_tier.py --interleaved --steps 300
+	$(PY) bench/memory_tier.py --interleaved --repeat 3 --steps 300
 	$(PY) bench/memory_tier.py --interleaved --busy 2 --steps 120 --only dp_shard=4 --only "hsdp 2x2" --only "pp=2 interleaved_1f1b"
 
 # Checkpoint benchmark (this storage vs torch DCP vs raw disk, 1.1 GB over 4 processes; ~1.5 min): bench/results/checkpoint.json

@@ -5,7 +5,7 @@ method); this script names them after their result file, and its
 `memory_tier_table` is the table bench/README.md shows.
 
     make bench-memory        # or: python bench/memory_tier.py [--rounds N] [--steps N] [--only NAME ...]
-                             # then: python bench/memory_tier.py --interleaved [--steps N] (the in-run measure)
+                             # then: python bench/memory_tier.py --interleaved [--repeat N] [--steps N] (the in-run measure)
                              # and: python bench/memory_tier.py --interleaved --busy 2 --steps 120 (cores busy)
 """
 

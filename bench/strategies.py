@@ -51,7 +51,12 @@ by up to 15% on this machine whatever they run, more than the effect; so
 `--interleaved` also measures it within single runs (a snapshot after every
 other step: each step that overlaps one against the two around it, which do
 not, and the same figure for a run with the tier off as the control) and adds
-`interleaved_ratio` and `interleaved_control_ratio` to each layout. With
+`interleaved_ratio` and `interleaved_control_ratio` to each layout. One such
+run's figure spreads by about 0.02 from run to run, so `--repeat N` runs the
+in-run measure N times over all selected layouts (pass after pass, so that
+the machine's slow and fast spells fall on every layout) and reports each
+run's figure (`interleaved_ratios`, `interleaved_control_ratios`) and their
+median as `interleaved_ratio` and `interleaved_control_ratio`. With
 `--busy N` the same in-run measure runs while N other processes spin on the
 CPU (a node whose cores something else keeps busy, where the agent's idle
 copies must be lifted: `elastic.sched`) and adds `busy_ratio` and
@@ -343,6 +348,14 @@ def bench_memory_interleaved(name: str, world: int, sets: list[str], args, index
     return out
 
 
+def _median_of_runs(runs: list[dict]) -> dict:
+    """One layout's in-run figures over repeated runs: each run's ratios (`<key>s`) and their medians."""
+    if len(runs) == 1:
+        return runs[0]
+    return {**{k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "layout"},
+            **{f"{k}s": [r[k] for r in runs] for k in runs[0] if k.endswith("ratio")}}
+
+
 def memory_busy_markdown(result: dict) -> str:
     """The `--interleaved --busy N` figures of the layouts that have them, as a markdown table."""
     lines = ["| layout | world | in-run ratio, cores busy | in-run control, cores busy |", "|---|---:|---:|---:|"]
@@ -356,8 +369,15 @@ def memory_cost_markdown(result: dict) -> str:
     """The --memory-cost result as a markdown table (its JSON is not strategies.json, whose tables tests/test_docs.py checks)."""
     lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | round_ratios | in-run ratio | in-run control |",
              "|---|---:|---:|---:|---:|---|---:|---:|"]
+    repeated = any(len(r.get("interleaved_ratios") or []) > 1 for r in result["layouts"])
+    if repeated:
+        lines = [lines[0].replace("| in-run ratio | in-run control |", "| in-run ratio (median) | in-run runs | in-run control (median) | in-run control runs |"),
+                 "|---|---:|---:|---:|---:|---|---:|---|---:|---|"]
     for r in result["layouts"]:
         inrun = [f"{r[k]:.3f}" if r.get(k) is not None else "—" for k in ("interleaved_ratio", "interleaved_control_ratio")]
+        if repeated:
+            runs = [" ".join(f"{x:.3f}" for x in r.get(k, [])) or "—" for k in ("interleaved_ratios", "interleaved_control_ratios")]
+            inrun = [inrun[0], runs[0], inrun[1], runs[1]]
         lines.append(f"| {r['layout']} | {r['world']} | {r['step_s_memory_off']:.4f} | {r['step_s_memory_on']:.4f} | "
                      f"{r['memory_step_ratio']:.3f} | {' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {' | '.join(inrun)} |")
     return "\n".join(lines)
@@ -407,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-cost", action="store_true", help="measure the memory tier on vs off instead (bench/results/memory_tier.json)")
     parser.add_argument("--interleaved", action="store_true",
                         help="with --memory-cost: measure it within single runs instead, and add that to the layouts of --out")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --interleaved: run the in-run measure this many times over the layouts and report each run and the median")
     parser.add_argument("--busy", type=int, default=0,
                         help="with --interleaved: other processes that spin on the CPU meanwhile (busy_ratio, busy_control_ratio)")
     parser.add_argument("--out", type=Path)
@@ -423,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "rounds": args.rounds, "layouts": []}
     if args.busy and not args.interleaved:
         parser.error("--busy goes with --interleaved")
+    if args.repeat < 1 or (args.repeat > 1 and (not args.interleaved or args.busy)):
+        parser.error("--repeat is at least 1 and goes with --interleaved (not --busy)")
     if args.interleaved:
         if not args.memory_cost:
             parser.error("--interleaved goes with --memory-cost")
@@ -451,16 +475,23 @@ def add_interleaved(args, selected: list) -> int:
     result = json.loads(args.out.read_text())
     by_name = {r["layout"]: r for r in result["layouts"]}
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in selected}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
-            for i, (name, world, sets) in enumerate(selected):
-                by_name.setdefault(name, {"layout": name, "world": world}).update(bench_memory_interleaved(name, world, sets, args, i, Path(tmp)))
+            for rep in range(args.repeat):
+                for i, (name, world, sets) in enumerate(selected):
+                    runs[name].append(bench_memory_interleaved(name, world, sets, args, i + rep, Path(tmp)))
     finally:
         for p in spinners:
             p.kill()
             p.wait()
+    for name, world, _ in selected:
+        entry = by_name.setdefault(name, {"layout": name, "world": world})
+        for stale in [k for k in entry if k.endswith("ratios") and k[:-1] in runs[name][0]]:
+            del entry[stale]  # the runs of an earlier repeated pass
+        entry.update(_median_of_runs(runs[name]))
     result["layouts"] = list(by_name.values())
-    run = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "wall_s": time.time() - t0}
+    run = {"machine": machine(), "steps": args.steps, "warmup_steps": args.warmup, "repeat": args.repeat, "wall_s": time.time() - t0}
     if args.busy:
         result["busy"] = {**run, "spinning_processes": args.busy}
     else:
