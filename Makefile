@@ -41,7 +41,7 @@ bench-strategies: $(STAMP)
 
 # The memory tier's step cost: each layout on two nodes with checkpoint.memory off and on, 2 alternating rounds, then
 # within single runs of 300 steps (a snapshot every other step; 3 passes over the layouts, the median of each reported),
-# then 3 layouts so while 2 processes spin on the CPU (~2.5 h): bench/results/memory_tier.json
+# then 3 layouts so while 2 processes spin on the CPU (~2 h 15 min): bench/results/memory_tier.json
 bench-memory: $(STAMP)
 	$(PY) bench/memory_tier.py --rounds 2 --steps 50
 	$(PY) bench/memory_tier.py --interleaved --repeat 3 --steps 300
