@@ -367,17 +367,17 @@ def memory_busy_markdown(result: dict) -> str:
 
 def memory_cost_markdown(result: dict) -> str:
     """The --memory-cost result as a markdown table (its JSON is not strategies.json, whose tables tests/test_docs.py checks)."""
-    lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | round_ratios | in-run ratio | in-run control |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
     repeated = any(len(r.get("interleaved_ratios") or []) > 1 for r in result["layouts"])
-    if repeated:
-        lines = [lines[0].replace("| in-run ratio | in-run control |", "| in-run ratio (median) | in-run runs | in-run control (median) | in-run control runs |"),
-                 "|---|---:|---:|---:|---:|---|---:|---|---:|---|"]
+    inrun_head = ("| in-run ratio (median) | in-run runs | in-run control (median) | in-run control runs |", "---:|---|---:|---|") if repeated \
+        else ("| in-run ratio | in-run control |", "---:|---:|")
+    lines = ["| layout | world | step_s memory off | step_s memory on | memory_step_ratio | round_ratios " + inrun_head[0],
+             "|---|---:|---:|---:|---:|---|" + inrun_head[1]]
     for r in result["layouts"]:
-        inrun = [f"{r[k]:.3f}" if r.get(k) is not None else "—" for k in ("interleaved_ratio", "interleaved_control_ratio")]
-        if repeated:
-            runs = [" ".join(f"{x:.3f}" for x in r.get(k, [])) or "—" for k in ("interleaved_ratios", "interleaved_control_ratios")]
-            inrun = [inrun[0], runs[0], inrun[1], runs[1]]
+        inrun = []
+        for k in ("interleaved_ratio", "interleaved_control_ratio"):
+            inrun.append(f"{r[k]:.3f}" if r.get(k) is not None else "—")
+            if repeated:
+                inrun.append(" ".join(f"{x:.3f}" for x in r.get(f"{k}s") or []) or "—")
         lines.append(f"| {r['layout']} | {r['world']} | {r['step_s_memory_off']:.4f} | {r['step_s_memory_on']:.4f} | "
                      f"{r['memory_step_ratio']:.3f} | {' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {' | '.join(inrun)} |")
     return "\n".join(lines)
